@@ -1,0 +1,41 @@
+# titan_upipe — `make install`, `make test`, `make run` each work alone on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC ?= 2
+RUN_CONFIG ?= configs/debug/llama3_fsdp.toml
+RUN_ARGS ?=
+
+.PHONY: install test run lint clean
+
+install: $(STAMP)
+
+# Without CUDA, torch==2.13.0 first: pip then keeps the local CPU build instead of
+# resolving `torch>=2.11` to a multi-GB CUDA wheel.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install --quiet "torch>=2.11"; \
+	else \
+		$(BIN)/python -m pip install --quiet "torch==2.13.0"; \
+	fi
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+# The embedded default: a small CPU training run on 2 gloo ranks, TensorBoard logs in outputs/.
+run: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
+		--job.config_file $(RUN_CONFIG) $(RUN_ARGS)
+	@echo "TensorBoard: $(BIN)/tensorboard --logdir outputs"
+
+lint: $(STAMP)
+	$(BIN)/ruff check titan_upipe tests scripts
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

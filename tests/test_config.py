@@ -1,0 +1,77 @@
+"""Every committed TOML parses; the plugin's sections parse from TOML and CLI and reject bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from titan_upipe.config import ATTENTION_BACKENDS, ConfigError
+from titan_upipe.train import parse_config, with_plugin_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.toml"))
+
+
+def write_toml(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_configs_exist():
+    assert "configs/debug/llama3_fsdp.toml" in CONFIGS
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_committed_config_parses(config):
+    job = parse_config(["--job.config_file", str(REPO / config)])
+    assert job.model.name.startswith("upipe_")
+    assert job.job.custom_config_module == "titan_upipe.config"
+    assert job.experimental.custom_import == "titan_upipe"
+
+
+def test_upipe_section_from_toml_and_cli(tmp_path):
+    path = write_toml(tmp_path, '[upipe]\nheads_per_stage = 4\nattention_backend = "sdpa"\n')
+    assert parse_config(["--job.config_file", path]).upipe.heads_per_stage == 4
+    overridden = parse_config(["--job.config_file", path, "--upipe.heads_per_stage", "8"])
+    assert overridden.upipe.heads_per_stage == 8  # CLI > TOML
+    assert parse_config([]).upipe.heads_per_stage == 0  # defaults without any TOML
+
+
+def test_plugin_config_module_is_added_only_when_missing(tmp_path):
+    assert with_plugin_config([])[-1] == "--job.custom_config_module=titan_upipe.config"
+    own = ["--job.custom_config_module", "my.module"]
+    assert with_plugin_config(own) == own
+    path = write_toml(tmp_path, '[job]\ncustom_config_module = "titan_upipe.config"\n')
+    assert with_plugin_config(["--job.config_file", path]) == ["--job.config_file", path]
+
+
+def test_unknown_key_in_plugin_section_is_named(tmp_path):
+    path = write_toml(tmp_path, "[upipe]\nheads_per_stag = 4\n")
+    with pytest.raises(ValueError, match="heads_per_stag"):
+        parse_config(["--job.config_file", path])
+
+
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ('attention_backend = "flash_magic"', "upipe.attention_backend"),
+        ("heads_per_stage = -8", "upipe.heads_per_stage"),
+        ('heads_per_stage = "eight"', "upipe.heads_per_stage"),
+        ("ulysses_degree = -1", "upipe.ulysses_degree"),
+    ],
+)
+def test_bad_value_from_toml_names_key_and_choices(tmp_path, toml, key):
+    path = write_toml(tmp_path, f"[upipe]\n{toml}\n")
+    with pytest.raises(ConfigError, match=key) as err:
+        parse_config(["--job.config_file", path])
+    assert "valid values are" in str(err.value)
+
+
+def test_bad_value_from_cli_names_key_and_choices(capsys):
+    # tyro reports the constructor's error on stderr and exits with status 2.
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--upipe.attention_backend", "flash_magic"])
+    assert exit_info.value.code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "upipe.attention_backend" in message and "flash_magic" in message
+    assert all(name in message for name in ATTENTION_BACKENDS)

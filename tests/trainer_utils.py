@@ -1,0 +1,59 @@
+"""Run the real trainer under torchrun and read what it wrote to TensorBoard."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, module: str, config: str, dump_folder: Path, *overrides: str,
+             timeout: int = 600) -> subprocess.CompletedProcess:
+    """Launch ``module`` on ``nproc`` gloo ranks; raise with the log tail if it fails."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", module, "--job.config_file", str(REPO / config),
+        "--job.dump_folder", str(dump_folder), *overrides,
+    ]
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def create_seed_checkpoint(config: str, dump_folder: Path, *overrides: str) -> Path:
+    """One-process initial weights, loaded by every run so all layouts start identical."""
+    torchrun(1, "titan_upipe.train", config, dump_folder, "--checkpoint.enable",
+             "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1",
+             *overrides)
+    return dump_folder / "checkpoint" / "step-0"
+
+
+def load_seed(seed: Path) -> tuple[str, ...]:
+    return ("--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), "--checkpoint.load_only")
+
+
+def read_scalars(dump_folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalars of the newest TensorBoard run under ``dump_folder/tb``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = sorted(glob.glob(str(dump_folder / "tb" / "*")))
+    assert runs, f"no TensorBoard run under {dump_folder / 'tb'}"
+    acc = EventAccumulator(runs[-1], size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def losses(dump_folder: Path) -> list[float]:
+    return [v for _, v in read_scalars(dump_folder)["loss_metrics/global_avg_loss"]]
+
+
+def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
+    assert len(actual) == len(expected) and expected, (actual, expected)
+    for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
+        assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs reference {e} (rtol {rtol})"

@@ -1,0 +1,67 @@
+"""The plugin's config sections, merged into TorchTitan's ``JobConfig``.
+
+TorchTitan 0.2.2 merges the ``JobConfig`` dataclass of the module named by
+``job.custom_config_module`` into its own, so these sections parse from TOML and
+from the CLI (``--upipe.heads_per_stage 8``) like the stock ones. TOML values
+are not type-checked by TorchTitan (``Literal`` fields included), so every
+section validates itself in ``__post_init__`` and names the offending key and
+the valid choices: a bad value fails before any process group starts.
+"""
+
+# No `from __future__ import annotations`: TorchTitan merges these fields by their
+# runtime types, which must be classes, not strings.
+
+from dataclasses import dataclass, field
+
+ATTENTION_BACKENDS = ("sdpa", "flash_attn", "flash_attn3", "flash_attn4")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot run exactly; the message names it and the valid choices."""
+
+
+def _require(ok: bool, key: str, value: object, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid {key} = {value!r}: valid values are {valid}")
+
+
+@dataclass
+class UPipe:
+    """Context-parallel attention settings read by the ``ulysses``/``upipe`` converters."""
+
+    heads_per_stage: int = 0
+    """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that
+    divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice)."""
+
+    attention_backend: str = "sdpa"
+    """Local attention kernel: sdpa (CPU and GPU), flash_attn, flash_attn3, flash_attn4 (GPU, when installed)."""
+
+    ulysses_degree: int = 0
+    """Ulysses (all-to-all) degree inside the CP mesh; the rest is ring. 0 means all of CP is Ulysses."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.heads_per_stage, int) and self.heads_per_stage >= 0,
+            "upipe.heads_per_stage",
+            self.heads_per_stage,
+            "0 (U = Ulysses degree) or a positive multiple of the Ulysses degree dividing n_heads",
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "upipe.attention_backend",
+            self.attention_backend,
+            ", ".join(ATTENTION_BACKENDS),
+        )
+        _require(
+            isinstance(self.ulysses_degree, int) and self.ulysses_degree >= 0,
+            "upipe.ulysses_degree",
+            self.ulysses_degree,
+            "0 (all of CP) or a positive divisor of parallelism.context_parallel_degree",
+        )
+
+
+@dataclass
+class JobConfig:
+    """Sections this plugin adds to TorchTitan's ``JobConfig``."""
+
+    upipe: UPipe = field(default_factory=UPipe)

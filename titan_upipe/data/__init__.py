@@ -1,0 +1,1 @@
+"""Embedded data: a tokenizer and synthetic datasets that need no download."""

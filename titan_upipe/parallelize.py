@@ -1,0 +1,69 @@
+"""``parallelize_fn`` of the plugin's train specs: activation checkpointing, compile, FSDP.
+
+Context parallelism is not applied here: the CP attention converters
+(``model.converters``) have already replaced each block's attention before this
+runs (TorchTitan converts on the meta device, then parallelizes). TorchTitan's
+own CP hooks dispatch only CUDA SDPA kernels, so a CP degree without one of our
+converters is rejected with the settings to use instead.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
+from torchtitan.tools.logging import logger
+
+from titan_upipe import cpu_runtime
+from titan_upipe.config import ConfigError
+
+CP_CONVERTERS = ("ulysses", "upipe", "ring", "usp")
+
+
+def check_parallelism(parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Reject parallel layouts this plugin cannot run exactly, naming the setting."""
+    if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.ep_enabled:
+        raise ConfigError(
+            "titan_upipe train specs support FSDP (parallelism.data_parallel_shard_degree) and "
+            "context parallelism only: set parallelism.tensor_parallel_degree, "
+            "pipeline_parallel_degree and expert_parallel_degree to 1"
+        )
+    if parallel_dims.cp_enabled and not set(job_config.model.converters) & set(CP_CONVERTERS):
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {parallel_dims.cp} needs a context-parallel "
+            f"attention converter: add one of {', '.join(CP_CONVERTERS)} to model.converters"
+        )
+
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
+    check_parallelism(parallel_dims, job_config)
+
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+                 base_folder=job_config.job.dump_folder)
+    if compile_model:
+        apply_compile(model, job_config.compile)
+
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=False,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        if cpu_runtime.is_active():
+            cpu_runtime.force_sum_reductions(model)
+        logger.info("Applied FSDP over %s", names)
+    elif parallel_dims.dp_replicate_enabled:
+        raise ConfigError(
+            "parallelism.data_parallel_replicate_degree > 1 without sharding (DDP) is not supported "
+            "by titan_upipe: use parallelism.data_parallel_shard_degree (FSDP) instead"
+        )
+    return model
