@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
-RUN_CONFIG ?= configs/debug/llama3_fsdp.toml
+RUN_CONFIG ?= configs/debug/llama3_upipe.toml
 RUN_ARGS ?=
 
 .PHONY: install test run lint clean
@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-# The embedded default: a small CPU training run on 2 gloo ranks, TensorBoard logs in outputs/.
+# The embedded default: UPipe context parallelism (CP=2, U=C) + FSDP on 2 CPU gloo ranks,
+# ~30 steps of the synthetic copy task; TensorBoard logs in outputs/.
 run: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
 		--job.config_file $(RUN_CONFIG) $(RUN_ARGS)

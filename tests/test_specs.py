@@ -1,13 +1,8 @@
-"""Train specs, debug flavors and the parallelize_fn's guard rails."""
+"""Train specs and debug flavors (the parallelize_fn's guard rails: test_validation.py)."""
 
-import pytest
-from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 
-from titan_upipe.config import ConfigError
 from titan_upipe.data.tokenizer import VOCAB_SIZE
-from titan_upipe.parallelize import check_parallelism
-from titan_upipe.train import parse_config
 
 
 def test_specs_registered_with_stock_and_debug_flavors():
@@ -21,17 +16,3 @@ def test_specs_registered_with_stock_and_debug_flavors():
 
 def test_flavors_are_private_copies():
     assert get_train_spec("upipe_llama3").model_args["8B"] is not get_train_spec("llama3").model_args["8B"]
-
-
-def _dims(**kw):
-    base = {"dp_shard": 1, "dp_replicate": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "world_size": 2}
-    return ParallelDims(**{**base, **kw})
-
-
-def test_parallelize_rejects_unsupported_layouts():
-    job = parse_config([])
-    with pytest.raises(ConfigError, match="tensor_parallel_degree"):
-        check_parallelism(_dims(tp=2), job)
-    with pytest.raises(ConfigError, match="model.converters"):
-        check_parallelism(_dims(cp=2), job)
-    check_parallelism(_dims(dp_shard=2), job)  # FSDP alone is fine

@@ -60,3 +60,41 @@ def test_torchtitan_entry_point_with_custom_import(tmp_path):
     torchrun(2, "torchtitan.train", "configs/debug/qwen3_fsdp.toml", tmp_path, "--training.steps", "2")
     loss = losses(tmp_path)
     assert len(loss) == 2 and all(0 < v < 20 for v in loss)
+
+
+# --- context parallelism through the real trainer (UPipe core issue) -------------------------
+
+CP_CASES = [
+    # (config, ranks, overrides): every case has a global batch of 4 sequences like the 1-rank run
+    ("configs/debug/llama3_upipe.toml", 2, ("--training.local_batch_size", "4")),
+    ("configs/debug/llama3_ulysses.toml", 2, ("--training.local_batch_size", "4")),
+    # C = 4 > 2 KV heads (K/V activations replicated), U = C = 4
+    ("configs/debug/llama3_upipe.toml", 4, ("--training.local_batch_size", "4",
+                                            "--parallelism.context_parallel_degree", "4")),
+    # CP = 2 inside, data parallel 2 outside, U = 2C = 4
+    ("configs/debug/llama3_upipe.toml", 4, ("--training.local_batch_size", "2", "--upipe.heads_per_stage", "4")),
+]
+
+
+@pytest.mark.parametrize("config, ranks, overrides", CP_CASES,
+                         ids=["upipe-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4"])
+def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, tmp_path, config, ranks, overrides):
+    torchrun(ranks, "titan_upipe.train", config, tmp_path, "--training.steps", STEPS, *overrides,
+             *load_seed(llama3_seed))
+    assert_losses_close(losses(tmp_path), losses(llama3_one_rank), rtol=1e-5)
+
+
+def test_qwen3_upipe_matches_one_rank(tmp_path_factory):
+    seed = create_seed_checkpoint("configs/debug/qwen3_fsdp.toml", tmp_path_factory.mktemp("qwen_seed"))
+    one, cp = tmp_path_factory.mktemp("qwen_one"), tmp_path_factory.mktemp("qwen_cp")
+    torchrun(1, "titan_upipe.train", "configs/debug/qwen3_fsdp.toml", one, "--training.steps", "3",
+             "--training.local_batch_size", "2", *load_seed(seed))
+    torchrun(2, "titan_upipe.train", "configs/debug/qwen3_upipe.toml", cp, "--training.steps", "3",
+             "--training.local_batch_size", "2", *load_seed(seed))
+    assert_losses_close(losses(cp), losses(one), rtol=1e-5)
+
+
+def test_torchtitan_entry_point_with_cp_is_refused(tmp_path):
+    """TorchTitan's trainer shards CP inputs head-tail; the converted model must refuse them."""
+    with pytest.raises(AssertionError, match="not in titan_upipe.s sequence layout"):
+        torchrun(2, "torchtitan.train", "configs/debug/llama3_upipe.toml", tmp_path, "--training.steps", "1")

@@ -13,7 +13,7 @@ the valid choices: a bad value fails before any process group starts.
 
 from dataclasses import dataclass, field
 
-ATTENTION_BACKENDS = ("sdpa", "flash_attn", "flash_attn3", "flash_attn4")
+ATTENTION_BACKENDS = ("sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4")
 
 
 class ConfigError(ValueError):
@@ -34,7 +34,8 @@ class UPipe:
     divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice)."""
 
     attention_backend: str = "sdpa"
-    """Local attention kernel: sdpa (CPU and GPU), flash_attn, flash_attn3, flash_attn4 (GPU, when installed)."""
+    """Local attention kernel: sdpa (CPU and GPU), math (explicit fp32 reference, any device),
+    flash_attn, flash_attn3, flash_attn4 (GPU, when installed)."""
 
     ulysses_degree: int = 0
     """Ulysses (all-to-all) degree inside the CP mesh; the rest is ring. 0 means all of CP is Ulysses."""

@@ -4,7 +4,7 @@ Context parallelism is not applied here: the CP attention converters
 (``model.converters``) have already replaced each block's attention before this
 runs (TorchTitan converts on the meta device, then parallelizes). TorchTitan's
 own CP hooks dispatch only CUDA SDPA kernels, so a CP degree without one of our
-converters is rejected with the settings to use instead.
+converters is rejected (``validation.check_job``) with the settings to use instead.
 """
 
 from __future__ import annotations
@@ -18,27 +18,11 @@ from torchtitan.tools.logging import logger
 
 from titan_upipe import cpu_runtime
 from titan_upipe.config import ConfigError
-
-CP_CONVERTERS = ("ulysses", "upipe", "ring", "usp")
-
-
-def check_parallelism(parallel_dims: ParallelDims, job_config: JobConfig) -> None:
-    """Reject parallel layouts this plugin cannot run exactly, naming the setting."""
-    if parallel_dims.tp_enabled or parallel_dims.pp_enabled or parallel_dims.ep_enabled:
-        raise ConfigError(
-            "titan_upipe train specs support FSDP (parallelism.data_parallel_shard_degree) and "
-            "context parallelism only: set parallelism.tensor_parallel_degree, "
-            "pipeline_parallel_degree and expert_parallel_degree to 1"
-        )
-    if parallel_dims.cp_enabled and not set(job_config.model.converters) & set(CP_CONVERTERS):
-        raise ConfigError(
-            f"parallelism.context_parallel_degree = {parallel_dims.cp} needs a context-parallel "
-            f"attention converter: add one of {', '.join(CP_CONVERTERS)} to model.converters"
-        )
+from titan_upipe.validation import check_job
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    check_parallelism(parallel_dims, job_config)
+    check_job(job_config, parallel_dims.world_size)
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     if job_config.activation_checkpoint.mode != "none":

@@ -6,8 +6,9 @@ CONFIG_MODULE = "titan_upipe.config"
 
 
 def register_all() -> None:
-    from titan_upipe import specs
+    from titan_upipe import converters, specs
     from titan_upipe.data import synthetic
 
     synthetic.register_with_torchtitan()
     specs.register()
+    converters.register()

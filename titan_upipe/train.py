@@ -1,9 +1,11 @@
 """Training entry point: ``torchrun ... -m titan_upipe.train --job.config_file X.toml [--sec.key v ...]``.
 
-It differs from ``python -m torchtitan.train`` in one way: the plugin's config
+It differs from ``python -m torchtitan.train`` in three ways: the plugin's config
 sections (``[upipe]`` …) are always part of the schema, even when neither the
-TOML nor the CLI names ``job.custom_config_module``. Everything else is
-TorchTitan's ``Trainer``, unchanged.
+TOML nor the CLI names ``job.custom_config_module``; the job is validated before
+any process group starts (``validation.check_job``); and context-parallel inputs
+are sharded in the plugin's layout (``trainer.ContextParallelTrainer``, otherwise
+TorchTitan's ``Trainer`` unchanged).
 """
 
 from __future__ import annotations
@@ -53,13 +55,16 @@ def parse_config(args: list[str]):
 def main(args: list[str] | None = None) -> None:
     import torch
     from torchtitan.tools.logging import init_logger, logger
-    from torchtitan.train import Trainer
+
+    from titan_upipe.trainer import ContextParallelTrainer
+    from titan_upipe.validation import check_job
 
     init_logger()
     config = parse_config(sys.argv[1:] if args is None else args)
+    check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
     try:
-        trainer = Trainer(config)
+        trainer = ContextParallelTrainer(config)
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ.get("WORLD_SIZE", "1")) != 1:
                 raise ValueError("checkpoint.create_seed_checkpoint needs a single process")

@@ -1,0 +1,124 @@
+"""Run functions on N gloo ranks in spawned processes and collect every rank's result.
+
+Spawning is the expensive part on a 2-core machine (each rank imports torch and
+TorchTitan: ~45 s for 8 ranks), so one pool of ranks per world size is spawned on first
+use and kept for the whole pytest session; every ``run_distributed`` call is a job sent
+to all ranks of that pool. A failure on any rank fails the caller with that rank's
+traceback; the pool is then torn down (other ranks may be stuck in a collective with the
+failed one) and the next call spawns a fresh one. A rank that dies without reporting
+fails the caller at once instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any) -> None:
+    try:
+        os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((None, rank, "error", traceback.format_exc()))
+        return
+    try:
+        while (job := jobs.get()) is not None:
+            job_id, fn, args = job
+            try:
+                results.put((job_id, rank, "ok", fn(rank, world_size, mesh, *args)))
+            except BaseException:  # noqa: BLE001
+                results.put((job_id, rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class _RankPool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+        self.job_ids = itertools.count()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list[Any]:
+        job_id = next(self.job_ids)
+        for jobs in self.jobs:
+            jobs.put((job_id, fn, args))
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) < self.world_size:
+            try:
+                done_id, rank, status, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs)
+                        if p.exitcode is not None]
+                if dead:
+                    raise AssertionError("; ".join(dead) + " without reporting a result") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"distributed job timed out after {timeout}s") from None
+                continue
+            if status != "ok":
+                raise AssertionError(f"distributed job failed on rank {rank}:\n{value}")
+            if done_id == job_id:
+                values[rank] = value
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for jobs in self.jobs:
+                jobs.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10 if graceful else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, _RankPool] = {}
+
+
+def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
+    """``fn(rank, world_size, cp_mesh, *args)`` on ``world_size`` gloo ranks (cp_mesh: a 1-D
+    ``DeviceMesh`` over all of them); returns the per-rank values (picklable), rank order.
+    ``fn`` must be a module-level function."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        _POOLS.pop(world_size).close(graceful=False)
+        raise
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close(graceful=True)

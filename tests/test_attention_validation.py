@@ -1,0 +1,191 @@
+"""Settings and inputs that cannot run exactly fail with a ConfigError before any communication;
+conversion keeps the module's parameters, names and meta-device construction.
+
+``NoCommMesh`` stands in for a 1-D DeviceMesh and fails the test if anything asks it for a
+process group, which is how "before any communication" is checked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.models.llama3.model.model import Attention as Llama3Attention
+from torchtitan.models.llama3.model.model import precompute_freqs_cis
+from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
+from torchtitan.models.qwen3.model.model import precompute_rope_cache
+
+from titan_upipe.attention import convert_attention
+from titan_upipe.config import ConfigError
+from titan_upipe.parallel import ContiguousLayout, shard_sequence
+
+
+class NoCommMesh:
+    """A 1-D mesh of ``size`` ranks seen from rank 0 that refuses to communicate (size 1: no group needed)."""
+
+    def __init__(self, size: int, ndim: int = 1) -> None:
+        self._size, self.ndim = size, ndim
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def get_group(self):
+        if self._size == 1:
+            return None
+        raise AssertionError("communication attempted before validation finished")
+
+
+def llama3(n_heads: int = 8, n_kv_heads: int = 2, **kw) -> Llama3Attention:
+    return Llama3Attention(TransformerModelArgs(dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads, **kw))
+
+
+def qwen3(n_heads: int = 8, n_kv_heads: int = 2, **kw) -> Qwen3Attention:
+    return Qwen3Attention(Qwen3ModelArgs(dim=32, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, **kw))
+
+
+@pytest.mark.parametrize("mode", ["ring", "usp"])
+def test_later_modes_are_named(mode: str) -> None:
+    with pytest.raises(ConfigError, match="added later"):
+        convert_attention(llama3(), mode, NoCommMesh(2))
+
+
+def test_unknown_mode() -> None:
+    with pytest.raises(ConfigError, match="valid modes are ulysses, upipe"):
+        convert_attention(llama3(), "pipe", NoCommMesh(2))
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(("heads", "cp", "u", "message"), [
+    ((16, 4), 4, 6, r"not a multiple of the CP degree 4\): valid values .* \[4, 8, 16\]"),
+    ((24, 6), 2, 10, r"n_heads=24 is not divisible by it\): valid values .* \[2, 4, 6, 8, 12, 24\]"),
+    ((8, 2), 2, 16, r"valid values for n_heads=8 at CP degree 2 are 0 \(= 2\) or \[2, 4, 8\]"),
+])
+def test_invalid_heads_per_stage(heads, cp: int, u: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        convert_attention(llama3(*heads), "upipe", NoCommMesh(cp), heads_per_stage=u)
+
+
+@pytest.mark.parametrize(("heads", "cp", "valid"), [
+    ((8, 2), 3, "[1, 2, 4, 8]"),
+    ((12, 3), 2, "[1, 3, 6, 12]"),  # 2 ranks cannot split 3 KV heads, nor share one
+    ((8, 8), 16, "[1, 2, 4, 8]"),
+])
+@pytest.mark.parametrize("mode", ["ulysses", "upipe"])
+def test_invalid_cp_degree_names_the_valid_ones(heads, cp: int, valid: str, mode: str) -> None:
+    with pytest.raises(ConfigError, match="valid CP degrees are " + re.escape(valid)):
+        convert_attention(llama3(*heads), mode, NoCommMesh(cp))
+
+
+def test_sequence_not_divisible_by_cp() -> None:
+    with pytest.raises(ConfigError, match="not divisible by the context-parallel degree 4"):
+        shard_sequence(torch.zeros(1, 10, 8), NoCommMesh(4), seq_dim=1)
+    with pytest.raises(ConfigError, match="use a multiple of 4"):
+        ContiguousLayout(10, 4)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "upipe"])
+def test_document_masks_rejected_before_communication(mode: str) -> None:
+    layer = convert_attention(qwen3(), mode, NoCommMesh(2))
+    with pytest.raises(ConfigError, match="document masks come in a later issue"):
+        layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=object())
+
+
+@pytest.mark.parametrize("attn_type", ["flex", "varlen"])
+def test_masked_attention_types_rejected_at_conversion(attn_type: str) -> None:
+    with pytest.raises(ConfigError, match="document masks"):
+        convert_attention(llama3(attn_type=attn_type), "upipe", NoCommMesh(2))
+
+
+def test_unknown_and_unavailable_backends() -> None:
+    with pytest.raises(ConfigError, match="unknown attention backend 'cudnn'"):
+        convert_attention(llama3(), "upipe", NoCommMesh(2), backend="cudnn")
+    if not torch.cuda.is_available():
+        for name in ("flash_attn", "flash_attn3", "flash_attn4"):
+            with pytest.raises(ConfigError, match="needs a CUDA device"):
+                convert_attention(llama3(), "upipe", NoCommMesh(2), backend=name)
+
+
+@pytest.mark.parametrize("positions", [torch.arange(3), torch.arange(8).view(2, 4), torch.zeros(4, 2, dtype=torch.long),
+                                       torch.arange(4.0)])
+def test_bad_positions_rejected_before_communication(positions: torch.Tensor) -> None:
+    layer = convert_attention(llama3(), "upipe", NoCommMesh(2))
+    with pytest.raises(ConfigError, match="positions must"):
+        layer(torch.zeros(3, 4, 128), precompute_freqs_cis(16, 64), None, positions=positions)
+
+
+def test_wrong_rope_table_rejected() -> None:
+    layer = convert_attention(llama3(), "upipe", NoCommMesh(2))
+    with pytest.raises(ConfigError, match="Llama3 freqs_cis"):
+        layer(torch.zeros(1, 4, 128), precompute_rope_cache(16, 64), None)
+    with pytest.raises(ConfigError, match="exceeds the RoPE table"):
+        layer(torch.zeros(1, 4, 128), precompute_freqs_cis(16, 6), None)
+
+
+def test_mesh_and_module_kinds() -> None:
+    with pytest.raises(ConfigError, match="1-D"):
+        convert_attention(llama3(), "upipe", NoCommMesh(2, ndim=2))
+    with pytest.raises(ConfigError, match="Llama3 and Qwen3 Attention"):
+        convert_attention(torch.nn.Linear(4, 4), "upipe", NoCommMesh(2))
+
+
+# --- what conversion preserves --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [llama3, qwen3])
+@pytest.mark.parametrize("mode", ["ulysses", "upipe"])
+def test_parameters_are_shared_with_unchanged_names(make, mode: str) -> None:
+    source = make()
+    layer = convert_attention(source, mode, NoCommMesh(2))
+    assert list(layer.state_dict()) == list(source.state_dict())
+    assert all(a is b for a, b in zip(layer.parameters(), source.parameters(), strict=True))
+    assert [n for n, _ in layer.named_parameters()] == [n for n, _ in source.named_parameters()]
+    with torch.no_grad():  # as TorchTitan's Transformer.init_weights calls it
+        layer.init_weights(0.02)
+
+
+def test_converts_on_the_meta_device() -> None:
+    """TorchTitan converts the model on the meta device before materializing it."""
+    with torch.device("meta"):
+        source = qwen3(16, 4)
+    layer = convert_attention(source, "upipe", NoCommMesh(4), heads_per_stage=8)
+    assert layer.wq.weight.is_meta and layer.heads_per_stage == 8 and layer.schedule.n_stages == 2
+    layer.to_empty(device="cpu")
+    assert layer.wq.weight.device.type == "cpu"
+
+
+def test_qwen3_without_qk_norm() -> None:
+    torch.manual_seed(0)
+    source = qwen3(qk_norm=False)
+    layer = convert_attention(source, "upipe", NoCommMesh(1))
+    x, table = torch.randn(2, 8, 32), precompute_rope_cache(16, 8)
+    torch.testing.assert_close(layer(x, table, None), source(x, table, None), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [llama3, qwen3])
+@pytest.mark.parametrize(("mode", "u"), [("ulysses", None), ("upipe", None), ("upipe", 4)])
+def test_one_rank_mesh_matches_the_module(make, mode: str, u: int | None) -> None:
+    torch.manual_seed(0)
+    source = make()
+    table = precompute_freqs_cis(16, 32) if make is llama3 else precompute_rope_cache(16, 32)
+    x = torch.randn(2, 12, source.wq.in_features)
+    x_ref, x_cp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ref = source(x_ref, table, None)
+    y_ref.sum().backward()
+    ref_grads = [p.grad.clone() for p in source.parameters()]
+    source.zero_grad()
+    layer = convert_attention(source, mode, NoCommMesh(1), heads_per_stage=u)
+    y = layer(x_cp, table, None)
+    y.sum().backward()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x_cp.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for got, want in zip((p.grad for p in layer.parameters()), ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,26 @@
+"""Context-parallel attention: DeepSpeed-Ulysses and UPipe (Untied Ulysses).
+
+Public API: ``convert_attention(module, mode, cp_mesh, heads_per_stage=None, backend="sdpa")``.
+See docs/attention.md for the design.
+"""
+
+from titan_upipe.attention.backends import BACKENDS, LocalAttentionBackend, get_backend
+from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention, convert_attention
+from titan_upipe.attention.schedule import HeadSchedule, Stage, build_schedule, verify_schedule
+from titan_upipe.attention.validation import SUPPORTED_MODES, valid_cp_degrees, valid_heads_per_stage
+
+__all__ = [
+    "BACKENDS",
+    "SUPPORTED_MODES",
+    "AttentionSpec",
+    "ContextParallelAttention",
+    "HeadSchedule",
+    "LocalAttentionBackend",
+    "Stage",
+    "build_schedule",
+    "convert_attention",
+    "get_backend",
+    "valid_cp_degrees",
+    "valid_heads_per_stage",
+    "verify_schedule",
+]

@@ -1,0 +1,120 @@
+"""Per-head projection, qk-norm and RoPE for any contiguous run of heads, and its backward.
+
+The math is the unconverted TorchTitan modules', op for op: ``F.linear`` on a row slice
+of ``wq``/``wk``/``wv`` (rows ``h*D:(h+1)*D`` are head ``h``), ``F.rms_norm`` per head as
+``nn.RMSNorm`` does (Qwen3 applies it before RoPE), and RoPE through TorchTitan's own
+``reshape_for_broadcast`` helpers so ``positions`` index the table exactly as there:
+
+* Llama3: ``freqs_cis`` complex64 ``[max_seq, D/2]``; x is viewed as complex pairs in fp32.
+* Qwen3: ``rope_cache`` fp32 ``[max_seq, 2D]`` = cos || sin, applied with ``rotate_half``
+  after casting cos/sin to x's dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.llama3.model import model as llama3_model
+from torchtitan.models.qwen3.model import model as qwen3_model
+
+Tensor = torch.Tensor
+
+
+class RotaryKind(enum.Enum):
+    COMPLEX = "llama3"  # complex freqs_cis, interleaved pairs
+    COS_SIN = "qwen3"  # real cos||sin cache, rotate_half
+
+
+def rotate(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Tensor:
+    """RoPE of ``x`` ``[B, L, h, D]`` at ``positions`` ``[1 or B, L]`` (global token positions)."""
+    if kind is RotaryKind.COMPLEX:
+        x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        freqs = llama3_model.reshape_for_broadcast(table, x_complex, positions)
+        return torch.view_as_real(x_complex * freqs).flatten(3).type_as(x)
+    head_dim = x.shape[-1]
+    cache = qwen3_model.reshape_for_broadcast(table, x, positions)
+    cos = cache[..., :head_dim].to(dtype=x.dtype, device=x.device)
+    sin = cache[..., head_dim:].to(dtype=x.dtype, device=x.device)
+    return ((x * cos) + (qwen3_model.rotate_half(x) * sin)).type_as(x)
+
+
+@dataclass
+class HeadProjection:
+    """Turns a rank's tokens ``x`` ``[B, L, dim]`` into ready-to-attend heads, any run at a time."""
+
+    head_dim: int
+    rotary: RotaryKind
+    rope_table: Tensor
+    positions: Tensor
+    """``[1, L]`` or ``[B, L]`` int64: global positions of this rank's tokens."""
+    norm_eps: float | None = None
+
+    def _rows(self, weight: Tensor, heads: tuple[int, ...]) -> Tensor:
+        return weight[heads[0] * self.head_dim : (heads[-1] + 1) * self.head_dim]
+
+    def _transform(self, p: Tensor, norm_weight: Tensor | None, use_rope: bool, use_norm: bool) -> Tensor:
+        if use_norm:
+            p = F.rms_norm(p, (self.head_dim,), norm_weight, self.norm_eps)
+        if use_rope:
+            p = rotate(p, self.rope_table, self.positions, self.rotary)
+        return p
+
+    def project(
+        self, x: Tensor, weight: Tensor, heads: tuple[int, ...], norm_weight: Tensor | None = None,
+        use_rope: bool = True, use_norm: bool = False,
+    ) -> Tensor:
+        """Heads ``heads`` (a contiguous run) of ``x @ weight.T``, normed and rotated: ``[B, L, h, D]``."""
+        b, seq = x.shape[:2]
+        p = F.linear(x, self._rows(weight, heads)).view(b, seq, len(heads), self.head_dim)
+        return self._transform(p, norm_weight, use_rope, use_norm)
+
+    def backprop(
+        self, x: Tensor, weight: Tensor, heads: tuple[int, ...], grad_heads: Tensor, *,
+        grad_x: Tensor | None, grad_weight: Tensor | None, norm_weight: Tensor | None = None,
+        grad_norm_weight: Tensor | None = None, use_rope: bool = True, use_norm: bool = False,
+    ) -> None:
+        """Accumulate (fp32) the gradients of ``project`` given ``grad_heads`` ``[B, L, h, D]``.
+
+        Norm and RoPE are recomputed from a fresh projection and differentiated by autograd on
+        this small local graph; the projection's own gradients are two matmuls into the
+        full-size fp32 accumulators (``grad_weight`` rows of these heads only).
+        """
+        b, seq, dim = x.shape
+        rows = self._rows(weight, heads)
+        width = rows.shape[0]
+        if use_rope or use_norm:
+            with torch.no_grad():
+                p = F.linear(x, rows).view(b, seq, len(heads), self.head_dim)
+            with torch.enable_grad():
+                p = p.detach().requires_grad_(True)
+                leaves = [p]
+                w_norm = None
+                if use_norm:
+                    w_norm = norm_weight.detach().requires_grad_(grad_norm_weight is not None)
+                    if grad_norm_weight is not None:
+                        leaves.append(w_norm)
+                out = self._transform(p, w_norm, use_rope, use_norm)
+                grads = torch.autograd.grad(out, leaves, grad_heads)
+            grad_p = grads[0].reshape(b * seq, width)
+            if grad_norm_weight is not None:
+                grad_norm_weight.add_(grads[1])
+            del grads, out, p
+        else:
+            grad_p = grad_heads.reshape(b * seq, width)
+        if grad_x is not None:
+            accumulate_matmul(grad_x.view(b * seq, dim), grad_p, rows)
+        if grad_weight is not None:
+            start = heads[0] * self.head_dim
+            accumulate_matmul(grad_weight[start : start + width], grad_p.t(), x.reshape(b * seq, dim))
+
+
+def accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32: in place when the operands are fp32 too, else the
+    low-precision product (fp32-accumulated by the GEMM) is summed into fp32."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))

@@ -1,0 +1,284 @@
+"""UPipe (Untied Ulysses, paper section 3.3): attention in H/U stages of U query heads.
+
+Forward, per stage (``h = U/C`` query heads per rank, ``L = S/C`` local tokens):
+
+1. if the stage's K/V are new (``Stage.sends_kv``): drop the previous group's K/V, project
+   the needed KV heads from ``x``, k-norm + RoPE, replicate per destination rank when
+   C > KV, all-to-all; the received K/V stay resident for the following stages;
+2. project only this stage's query heads (row slices of ``wq``, per destination rank)
+   straight into the reused send buffer, q-norm + RoPE, all-to-all into the reused
+   receive buffer;
+3. causal attention for my ``h`` heads over the full sequence -> (out, lse);
+4. out goes into the same send buffer, all-to-all back into the same receive buffer,
+   and is copied into its heads' slot of the one output buffer allocated up front.
+
+Only ``x``, that output buffer (the stage-independent attention output before ``wo``)
+and the per-stage LSE are saved. Backward replays the schedule: it recomputes each
+stage's projections, norms, RoPE and all-to-alls, runs the backend's backward, sends
+dQ back at once and dK/dV back when a KV group is finished (summed over its query stages
+in fp32), and accumulates dX, dWq/dWk/dWv (full-size buffers, only this stage's rows)
+and the norm weights in fp32, cast once at the end.
+
+Buffers: one flat send buffer, one (forward) or three (backward) flat receive buffers and
+the resident K/V pair are allocated once per call, sized for the widest exchange, and
+reused by every stage and every KV group; only the fp32 dK/dV sums are allocated per KV
+group. Nothing a collective touched is freed mid-call, so the peak does not depend on when
+the communication backend drops its references (gloo does so from its own thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from titan_upipe.attention.collectives import all_to_all, heads_view, seq_major
+from titan_upipe.attention.run import AttentionRun
+from titan_upipe.attention.schedule import HeadSchedule, Stage
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class StageBuffers:
+    """Flat all-to-all buffers sized for the widest exchange of the call, viewed per use as
+    ``[C, L, B, n_heads, D]`` (a contiguous prefix)."""
+
+    send: Tensor
+    recv: list[Tensor]
+    k: Tensor
+    v: Tensor
+    """The resident K/V of the current KV group (received, head-sharded); reused by every group."""
+    cp_degree: int
+    local_len: int
+    batch: int
+    head_dim: int
+
+    @classmethod
+    def allocate(cls, x: Tensor, schedule: HeadSchedule, head_dim: int, n_recv: int) -> StageBuffers:
+        b, seq = x.shape[:2]
+        heads = max(schedule.query_heads_per_rank, schedule.max_kv_heads_per_rank)
+        numel = schedule.cp_degree * seq * b * heads * head_dim
+        kv_numel = schedule.cp_degree * seq * b * schedule.max_kv_heads_per_rank * head_dim
+        return cls(x.new_empty(numel), [x.new_empty(numel) for _ in range(n_recv)], x.new_empty(kv_numel),
+                   x.new_empty(kv_numel), schedule.cp_degree, seq, b, head_dim)
+
+    def view(self, flat: Tensor, n_heads: int) -> Tensor:
+        shape = (self.cp_degree, self.local_len, self.batch, n_heads, self.head_dim)
+        return flat[: self.cp_degree * self.local_len * self.batch * n_heads * self.head_dim].view(shape)
+
+
+@dataclass
+class ResidentKV:
+    """K/V of the current KV group, head-sharded over the full sequence, ``[B, h_kv, S, D]`` views."""
+
+    k: Tensor
+    v: Tensor
+
+    def for_stage(self, stage: Stage, run: AttentionRun) -> tuple[Tensor, Tensor, Tensor | None]:
+        """K/V as the kernel sees them for this stage's query heads, and the per-query KV
+        index when they had to be expanded (uneven groups; see ``Stage.local_kv_index``)."""
+        index = stage.local_kv_index(run.rank, run.schedule.n_rep)
+        if index is None:
+            return self.k, self.v, None
+        index_t = torch.tensor(index, device=self.k.device)
+        return self.k.index_select(1, index_t), self.v.index_select(1, index_t), index_t
+
+
+def _fold_expanded(grad: Tensor, index: Tensor | None, like: Tensor) -> Tensor:
+    """Sum the gradients of expanded K/V heads back onto the heads the rank holds."""
+    if index is None:
+        return grad
+    return torch.zeros_like(like).index_add_(1, index, grad)
+
+
+def _project_queries(x: Tensor, wq: Tensor, q_norm_weight: Tensor | None, stage: Stage, run: AttentionRun,
+                     send: Tensor) -> None:
+    for rank, heads in enumerate(stage.query_heads_per_rank):
+        q = run.projection.project(x, wq, heads, q_norm_weight, use_norm=run.qk_norm)
+        send[rank].copy_(q.transpose(0, 1))
+        del q  # keep at most one destination's temporaries alive
+
+
+def _exchange_kv_tensor(x: Tensor, weight: Tensor, norm_weight: Tensor | None, stage: Stage, run: AttentionRun,
+                        is_key: bool, send: Tensor, recv: Tensor) -> Tensor:
+    for heads, ranks in stage.kv_destinations():
+        kv = run.projection.project(x, weight, heads, norm_weight, use_rope=is_key, use_norm=is_key and run.qk_norm)
+        for rank in ranks:  # C > KV: the same activations go to every rank of the group
+            send[rank].copy_(kv.transpose(0, 1))
+        del kv
+    return heads_view(all_to_all(send, recv, run.group))
+
+
+def _exchange_kv(x: Tensor, wk: Tensor, wv: Tensor, k_norm_weight: Tensor | None, stage: Stage,
+                 run: AttentionRun, buffers: StageBuffers) -> ResidentKV:
+    n_kv = len(stage.kv_heads_per_rank[0])
+    send = buffers.view(buffers.send, n_kv)
+    k = _exchange_kv_tensor(x, wk, k_norm_weight, stage, run, True, send, buffers.view(buffers.k, n_kv))
+    v = _exchange_kv_tensor(x, wv, None, stage, run, False, send, buffers.view(buffers.v, n_kv))
+    return ResidentKV(k, v)
+
+
+def _gather_stage_heads(source: Tensor, stage: Stage, send: Tensor) -> None:
+    """Heads of each destination rank from ``source`` ``[B, L, H, D]`` into ``send``."""
+    for rank, heads in enumerate(stage.query_heads_per_rank):
+        send[rank].copy_(source[:, :, heads[0] : heads[-1] + 1].transpose(0, 1))
+
+
+def _scatter_stage_heads(recv: Tensor, stage: Stage, target: Tensor) -> None:
+    """Inverse of ``_gather_stage_heads``: chunk ``i`` of ``recv`` into rank ``i``'s heads of ``target``."""
+    for rank, heads in enumerate(stage.query_heads_per_rank):
+        target[:, :, heads[0] : heads[-1] + 1].copy_(recv[rank].transpose(0, 1))
+
+
+def _kv_group_sizes(stages: tuple[Stage, ...]) -> list[int]:
+    """For each stage, how many query stages share its K/V (its KV group's length)."""
+    sizes: list[int] = []
+    for stage in stages:
+        if stage.sends_kv:
+            sizes.append(0)
+        sizes[-1] += 1
+    return [size for size in sizes for _ in range(size)]
+
+
+@dataclass
+class GradAccumulators:
+    """fp32 gradients summed over stages; None where autograd does not need them."""
+
+    x: Tensor | None
+    wq: Tensor | None
+    wk: Tensor | None
+    wv: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+
+    @classmethod
+    def zeros(cls, needs: tuple[bool, ...], *inputs: Tensor | None) -> GradAccumulators:
+        return cls(*[
+            torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need and t is not None else None
+            for need, t in zip(needs, inputs, strict=True)
+        ])
+
+
+class UPipeAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, q_norm_weight: Tensor | None,
+                k_norm_weight: Tensor | None, run: AttentionRun) -> Tensor:
+        schedule = run.schedule
+        b, seq, _ = x.shape
+        n_heads, d, hq = schedule.n_heads, run.head_dim, schedule.query_heads_per_rank
+        output = x.new_empty(b, seq, n_heads * d)
+        output_heads = output.view(b, seq, n_heads, d)
+        buffers = StageBuffers.allocate(x, schedule, d, n_recv=1)
+        send, recv = buffers.view(buffers.send, hq), buffers.view(buffers.recv[0], hq)
+        kv: ResidentKV | None = None
+        lses: list[Tensor] = []
+        for stage in schedule.stages:
+            if stage.sends_kv:
+                kv = None  # the previous group's K/V go before the next group's arrive
+                kv = _exchange_kv(x, wk, wv, k_norm_weight, stage, run, buffers)
+            _project_queries(x, wq, q_norm_weight, stage, run, send)
+            all_to_all(send, recv, run.group)
+            k, v, _ = kv.for_stage(stage, run)
+            out, lse = run.backend.forward(heads_view(recv), k, v, run.scale)
+            del k, v
+            lses.append(lse)
+            seq_major(heads_view(send)).copy_(seq_major(out))
+            del out
+            all_to_all(send, recv, run.group)
+            _scatter_stage_heads(recv, stage, output_heads)
+        del kv, buffers, send, recv
+        ctx.run = run
+        ctx.save_for_backward(x, wq, wk, wv, q_norm_weight, k_norm_weight, output, *lses)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: Tensor):
+        run: AttentionRun = ctx.run
+        schedule, proj, d = run.schedule, run.projection, run.head_dim
+        hq = schedule.query_heads_per_rank
+        x, wq, wk, wv, q_norm_weight, k_norm_weight, output, *lses = ctx.saved_tensors
+        b, seq, _ = x.shape
+        output_heads = output.view(b, seq, schedule.n_heads, d)
+        grad_heads = grad_output.contiguous().view(b, seq, schedule.n_heads, d)
+        acc = GradAccumulators.zeros(ctx.needs_input_grad[:6], x, wq, wk, wv, q_norm_weight, k_norm_weight)
+
+        buffers = StageBuffers.allocate(x, schedule, d, n_recv=3)
+        send = buffers.view(buffers.send, hq)
+        recv_q, recv_out, recv_dout = (buffers.view(flat, hq) for flat in buffers.recv)
+        kv: ResidentKV | None = None
+        kv_stage: Stage | None = None
+        grad_k = grad_v = None
+        for stage, lse, group_size in zip(schedule.stages, lses, _kv_group_sizes(schedule.stages), strict=True):
+            if stage.sends_kv:
+                if kv_stage is not None:
+                    _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, run, buffers)
+                kv = grad_k = grad_v = None
+                kv = _exchange_kv(x, wk, wv, k_norm_weight, stage, run, buffers)
+                kv_stage = stage
+                if group_size > 1:
+                    # dK/dV of the group, summed over its query stages in fp32, in the
+                    # [S, B, h_kv, D] order the all-to-all back sends.
+                    grad_k = torch.zeros(seq_major(kv.k).shape, dtype=torch.float32, device=x.device)
+                    grad_v = torch.zeros_like(grad_k)
+            _project_queries(x, wq, q_norm_weight, stage, run, send)
+            all_to_all(send, recv_q, run.group)
+            _gather_stage_heads(output_heads, stage, send)
+            all_to_all(send, recv_out, run.group)
+            _gather_stage_heads(grad_heads, stage, send)
+            all_to_all(send, recv_dout, run.group)
+            k, v, kv_index = kv.for_stage(stage, run)
+            dq, dk, dv = run.backend.backward(
+                heads_view(recv_dout), heads_view(recv_q), k, v, heads_view(recv_out), lse, run.scale
+            )
+            del k, v
+            dk, dv = _fold_expanded(dk, kv_index, kv.k), _fold_expanded(dv, kv_index, kv.v)
+            if group_size > 1:
+                grad_k += seq_major(dk)
+                grad_v += seq_major(dv)
+            else:  # a KV group with one query stage: nothing to sum, send the kernel's dK/dV
+                grad_k, grad_v = seq_major(dk), seq_major(dv)
+            del dk, dv
+            seq_major(heads_view(send)).copy_(seq_major(dq))
+            del dq
+            all_to_all(send, recv_q, run.group)  # dQ of my tokens, chunk j = rank j's heads
+            for rank, heads in enumerate(stage.query_heads_per_rank):
+                proj.backprop(
+                    x, wq, heads, recv_q[rank].transpose(0, 1), grad_x=acc.x, grad_weight=acc.wq,
+                    norm_weight=q_norm_weight, grad_norm_weight=acc.q_norm, use_norm=run.qk_norm,
+                )
+        del kv
+        _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, run, buffers)
+        del grad_k, grad_v, buffers, send, recv_q, recv_out, recv_dout
+
+        def cast(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
+            return None if grad is None else grad.to(like.dtype)
+
+        return (cast(acc.x, x), cast(acc.wq, wq), cast(acc.wk, wk), cast(acc.wv, wv),
+                cast(acc.q_norm, q_norm_weight), cast(acc.k_norm, k_norm_weight), None)
+
+
+def _flush_kv_grads(x: Tensor, wk: Tensor, wv: Tensor, k_norm_weight: Tensor | None, stage: Stage,
+                    grad_k: Tensor, grad_v: Tensor, acc: GradAccumulators, run: AttentionRun,
+                    buffers: StageBuffers) -> None:
+    """Send a finished KV group's dK/dV (``[S, B, h_kv, D]``) back to the ranks that own the
+    tokens and backprop them through V's projection and K's norm/RoPE/projection."""
+    n_kv = len(stage.kv_heads_per_rank[0])
+    send, recv = buffers.view(buffers.send, n_kv), buffers.view(buffers.recv[0], n_kv)
+    for grad_full, weight, is_key in ((grad_k, wk, True), (grad_v, wv, False)):
+        # Communicated in the model dtype like every other activation gradient.
+        send.view(grad_full.shape).copy_(grad_full)
+        all_to_all(send, recv, run.group)
+        for heads, ranks in stage.kv_destinations():
+            # Replicated K/V (C > KV): the copies' gradients add up, in fp32.
+            grad_kv = recv[ranks[0]] if len(ranks) == 1 else recv[ranks].float().sum(0).to(x.dtype)
+            run.projection.backprop(
+                x, weight, heads, grad_kv.transpose(0, 1), grad_x=acc.x,
+                grad_weight=acc.wk if is_key else acc.wv,
+                norm_weight=k_norm_weight if is_key else None,
+                grad_norm_weight=acc.k_norm if is_key else None,
+                use_rope=is_key, use_norm=is_key and run.qk_norm,
+            )
+            del grad_kv

@@ -1,0 +1,92 @@
+"""Model converters ``ulysses`` and ``upipe``: context-parallel attention in every block.
+
+TorchTitan applies converters on the meta device, before ``parallelize_fn`` and
+``init_weights``; ``convert_attention`` shares the block's parameters, so FSDP,
+checkpoints and weight initialisation see the unconverted parameter names.
+The CP mesh comes from ``parallel_dims``; U and the kernel from ``[upipe]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+from titan_upipe.attention import convert_attention
+from titan_upipe.config import ConfigError
+from titan_upipe.parallel import layout_for
+from titan_upipe.validation import check_context_parallel
+
+
+class _ContextParallelAttentionConverter:
+    mode: str
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+        check_context_parallel(job_config)
+        self.cp_mesh = parallel_dims.get_mesh("cp")
+        self.heads_per_stage = job_config.upipe.heads_per_stage if self.mode == "upipe" else None
+        self.backend = job_config.upipe.attention_backend
+
+    def convert(self, model: nn.Module) -> None:
+        for block in model.layers.values():
+            block.attention = convert_attention(
+                block.attention, self.mode, self.cp_mesh,
+                heads_per_stage=self.heads_per_stage, backend=self.backend,
+            )
+        model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
+        logger.info("Converted attention to %s over a CP mesh of %d ranks", self.mode, self.cp_mesh.size())
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        pass
+
+
+class _LayoutCheck:
+    """Once, at the first forward: the tokens must be sharded in our layout.
+
+    TorchTitan's own trainer shards CP inputs head-tail (load balancing for ring
+    attention); the Ulysses all-to-all would then join shards in the wrong order and
+    silently compute another sequence. ``titan_upipe.train`` shards in our layout.
+    """
+
+    def __init__(self, cp_mesh) -> None:
+        self.cp_mesh = cp_mesh
+        self.checked = False
+
+    def __call__(self, module, args, kwargs):
+        if self.checked:
+            return None
+        positions = kwargs.get("positions")
+        tokens = args[0] if args else kwargs["tokens"]
+        local_len = tokens.shape[-1]
+        layout = layout_for(self.cp_mesh, local_len * self.cp_mesh.size())
+        expected = layout.positions(self.cp_mesh.get_local_rank(), device=tokens.device)
+        if positions is None or not torch.equal(positions.reshape(-1, local_len)[0].to(expected.dtype), expected):
+            raise ConfigError(
+                "context-parallel inputs are not in titan_upipe's sequence layout: launch with "
+                "`-m titan_upipe.train` (TorchTitan's own trainer shards CP inputs head-tail)"
+            )
+        self.checked = True
+        return None
+
+
+class UlyssesConverter(_ContextParallelAttentionConverter):
+    mode = "ulysses"
+
+
+class UPipeConverter(_ContextParallelAttentionConverter):
+    mode = "upipe"
+
+
+CONVERTERS = {"ulysses": UlyssesConverter, "upipe": UPipeConverter}
+
+
+def register() -> None:
+    from torchtitan.protocols.model_converter import register_model_converter
+
+    for name, cls in CONVERTERS.items():
+        try:
+            register_model_converter(cls, name)
+        except AssertionError:  # already registered (TorchTitan asserts on duplicates)
+            pass

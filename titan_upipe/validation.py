@@ -1,0 +1,105 @@
+"""Job-level checks that run before any process group starts.
+
+Every problem is reported as a :class:`~titan_upipe.config.ConfigError` naming the
+setting and the valid choices. ``titan_upipe.train`` calls :func:`check_job` right
+after parsing the config; ``parallelize_fn`` calls it again so that launches through
+``torchtitan.train`` are covered too (there it runs after process-group start, but
+still before any collective of ours).
+"""
+
+from __future__ import annotations
+
+from titan_upipe.attention.validation import check_cp_degree, resolve_heads_per_stage
+from titan_upipe.config import ConfigError
+
+CP_MODES = ("ulysses", "upipe", "ring", "usp")
+"""Converter names that provide context-parallel attention (ring/usp come with a later issue)."""
+
+
+def cp_mode(converters: list[str]) -> str | None:
+    """The context-parallel attention converter named in ``model.converters``, if any."""
+    modes = [name for name in converters if name in CP_MODES]
+    if len(modes) > 1:
+        raise ConfigError(
+            f"model.converters names several context-parallel attentions {modes}: keep one of {', '.join(CP_MODES)}"
+        )
+    return modes[0] if modes else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_world_size(parallelism, world_size: int) -> None:
+    fixed = (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
+             * parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree)
+    shard = parallelism.data_parallel_shard_degree
+    if shard == -1:
+        ok = world_size % fixed == 0
+    else:
+        ok = fixed * shard == world_size
+    if not ok:
+        raise ConfigError(
+            f"parallelism degrees (context_parallel_degree={parallelism.context_parallel_degree}, "
+            f"data_parallel_shard_degree={shard}, data_parallel_replicate_degree="
+            f"{parallelism.data_parallel_replicate_degree}, tensor/pipeline=1) do not match the world size "
+            f"{world_size}: valid context_parallel_degree values for {world_size} ranks are {_divisors(world_size)}"
+        )
+
+
+def check_supported_parallelism(parallelism) -> None:
+    if (parallelism.tensor_parallel_degree, parallelism.pipeline_parallel_degree,
+            parallelism.expert_parallel_degree) != (1, 1, 1):
+        raise ConfigError(
+            "titan_upipe train specs support FSDP (parallelism.data_parallel_shard_degree) and "
+            "context parallelism only: set parallelism.tensor_parallel_degree, "
+            "pipeline_parallel_degree and expert_parallel_degree to 1"
+        )
+
+
+def model_heads(job_config) -> tuple[int, int]:
+    """(query heads, KV heads) of the configured flavor."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    flavors = get_train_spec(job_config.model.name).model_args
+    if job_config.model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor = {job_config.model.flavor!r} is not a flavor of {job_config.model.name}: "
+            f"valid values are {', '.join(flavors)}"
+        )
+    args = flavors[job_config.model.flavor]
+    return args.n_heads, args.n_kv_heads or args.n_heads
+
+
+def check_context_parallel(job_config) -> None:
+    cp = job_config.parallelism.context_parallel_degree
+    mode = cp_mode(job_config.model.converters)
+    if cp > 1 and mode is None:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree = {cp} needs a context-parallel attention converter: "
+            f"add one of {', '.join(CP_MODES)} to model.converters"
+        )
+    if mode is None:
+        return
+    if cp < 2:
+        raise ConfigError(
+            f"model.converters has {mode!r} but parallelism.context_parallel_degree = {cp}: "
+            "set it to 2 or more (a divisor of the world size that splits the heads)"
+        )
+    n_heads, n_kv_heads = model_heads(job_config)
+    check_cp_degree(n_heads, n_kv_heads, cp)
+    if mode == "upipe":
+        resolve_heads_per_stage(n_heads, n_kv_heads, cp, job_config.upipe.heads_per_stage)
+    seq_len = job_config.training.seq_len
+    if seq_len % cp:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by parallelism.context_parallel_degree = {cp}: "
+            f"use a multiple of {cp} (e.g. {seq_len - seq_len % cp or cp})"
+        )
+
+
+def check_job(job_config, world_size: int) -> None:
+    """All checks; raises the first problem found."""
+    check_supported_parallelism(job_config.parallelism)
+    check_world_size(job_config.parallelism, world_size)
+    check_context_parallel(job_config)
