@@ -1,5 +1,8 @@
 """Forward+backward time and peak memory of one context-parallel attention layer:
-Ulysses against UPipe with U = C, 2C and H (or the U values given).
+Ulysses against UPipe with U = C, 2C and H (or the U values given), and with ``--modes``
+zigzag ring attention, USP (``--ulysses-degree`` Ulysses ranks x C/that ring ranks) and
+UPipe inside USP (U = Ulysses degree and U = H). Each variant shards the input in its own
+layout (contiguous, or zigzag for the ring modes).
 
 CPU (default): spawns ``--cp`` gloo ranks on this machine; peak memory is the
 ``LiveTensorTracker``'s peak of live tensor bytes created in the layer (inputs and weights
@@ -16,6 +19,8 @@ Examples::
 
     python scripts/bench_attention.py --cp 8 --model qwen3 --n-heads 64 --n-kv-heads 8 \\
         --head-dim 128 --dim 256 --seq-len 512 --frozen-weights --compare-model
+    python scripts/bench_attention.py --cp 4 --n-heads 8 --n-kv-heads 2 --head-dim 64 --seq-len 1024 \\
+        --modes ulysses ring usp upipe_usp --ulysses-degree 2
     torchrun --nproc_per_node 8 scripts/bench_attention.py --device cuda --dtype bfloat16 \\
         --n-heads 64 --n-kv-heads 8 --head-dim 128 --dim 5120 --seq-len 131072
 """
@@ -33,15 +38,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+MODES = ("ulysses", "upipe", "ring", "usp", "upipe_usp")
+
 
 @dataclass(frozen=True)
 class Variant:
     mode: str
     heads_per_stage: int | None
+    ulysses_degree: int = 0
+    """``[upipe] ulysses_degree``: 0 = all of CP is Ulysses (ulysses/upipe), or the mode's ring split."""
 
     @property
     def label(self) -> str:
-        return "ulysses" if self.mode == "ulysses" else f"upipe U={self.heads_per_stage}"
+        if self.mode == "ring":
+            return "ring"
+        if self.mode == "usp":
+            return f"usp ulysses={self.ulysses_degree}"
+        if self.mode == "ulysses":
+            return "ulysses"
+        where = f" in usp ulysses={self.ulysses_degree}" if self.ulysses_degree else ""
+        return f"upipe U={self.heads_per_stage}{where}"
 
 
 @dataclass
@@ -74,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads-per-stage", type=int, nargs="*", default=None,
                    help="UPipe U values (default: C, 2C, H)")
     p.add_argument("--no-ulysses", action="store_true", help="skip the Ulysses baseline")
+    p.add_argument("--modes", nargs="*", choices=MODES, default=["ulysses", "upipe"],
+                   help="variants to run (upipe_usp: UPipe inside USP with U = Ulysses degree and U = H)")
+    p.add_argument("--ulysses-degree", type=int, default=0,
+                   help="Ulysses ranks for usp / upipe_usp (the ring has C / this ranks)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--frozen-weights", action="store_true", help="no weight gradients: activation memory only")
@@ -84,10 +104,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _variants(args: argparse.Namespace, cp: int) -> list[Variant]:
     from titan_upipe.attention import valid_heads_per_stage
 
-    us = args.heads_per_stage or [cp, 2 * cp, args.n_heads]
-    valid = valid_heads_per_stage(args.n_heads, cp)
-    variants = [] if args.no_ulysses else [Variant("ulysses", None)]
-    variants += [Variant("upipe", u) for u in dict.fromkeys(us) if u in valid]
+    variants: list[Variant] = []
+    for mode in args.modes:
+        if mode == "ulysses" and not args.no_ulysses:
+            variants.append(Variant("ulysses", None))
+        elif mode == "upipe":
+            us = args.heads_per_stage or [cp, 2 * cp, args.n_heads]
+            valid = valid_heads_per_stage(args.n_heads, cp)
+            variants += [Variant("upipe", u) for u in dict.fromkeys(us) if u in valid]
+        elif mode == "ring":
+            variants.append(Variant("ring", None))
+        elif mode == "usp":
+            variants.append(Variant("usp", None, args.ulysses_degree))
+        elif mode == "upipe_usp":
+            d = args.ulysses_degree
+            valid = valid_heads_per_stage(args.n_heads, d) if d > 0 else []
+            variants += [Variant("upipe", u, d) for u in dict.fromkeys((d, args.n_heads)) if u in valid]
     return variants
 
 
@@ -168,18 +200,20 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
         upipe_backward_terms,
         upipe_forward_terms,
     )
-    from titan_upipe.parallel import shard_sequence
+    from titan_upipe.parallel import context_parallel_mesh, shard_sequence
 
     cp = mesh.size()
     module, table, dim, dtype = _build(args, device)
     x_full = torch.randn(args.batch, args.seq_len, dim, device=device, dtype=dtype)
-    x_local, positions = shard_sequence(x_full, mesh, seq_dim=1)
-    grad_y = torch.randn_like(x_local)
+    grad_full = torch.randn_like(x_full)
     shape = LayerShape(args.n_heads, args.n_kv_heads, args.head_dim, cp, args.seq_len, args.batch, dim,
                        dtype.itemsize)
     rows = []
     for variant in _variants(args, cp):
-        layer = convert_attention(module, variant.mode, mesh, variant.heads_per_stage, backend=args.backend)
+        variant_mesh = context_parallel_mesh(mesh, variant.mode, variant.ulysses_degree)
+        x_local, positions = shard_sequence(x_full, variant_mesh, seq_dim=1)
+        grad_y = shard_sequence(grad_full, variant_mesh, seq_dim=1)[0]
+        layer = convert_attention(module, variant.mode, variant_mesh, variant.heads_per_stage, backend=args.backend)
         times = []
         for i in range(args.warmup + args.iters):
             x = x_local.detach().clone().requires_grad_(True)
@@ -197,7 +231,7 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
         mib = 2.0**20
         row = Row(variant.label, layer.schedule.n_stages, 1e3 * statistics.median(times), no_grad / mib, fwd / mib,
                   bwd / mib)
-        if args.compare_model and variant.mode == "upipe":
+        if args.compare_model and variant.mode == "upipe" and not variant.ulysses_degree:
             u = layer.heads_per_stage
             row.model_forward_mib = sum(upipe_forward_terms(shape, u).values()) / mib
             row.model_backward_mib = sum(upipe_backward_terms(shape, u).values()) / mib

@@ -24,15 +24,18 @@ from titan_upipe.parallel import ContiguousLayout, shard_sequence
 
 
 class NoCommMesh:
-    """A 1-D mesh of ``size`` ranks seen from rank 0 that refuses to communicate (size 1: no group needed)."""
+    """A mesh of ``size`` ranks seen from rank 0 that refuses to communicate (size 1: no group needed).
+    ``names``/``shape`` make it a named 1-D ("ring") or 2-D ("ring", "ulysses") mesh."""
 
-    def __init__(self, size: int, ndim: int = 1) -> None:
-        self._size, self.ndim = size, ndim
+    def __init__(self, size: int, ndim: int = 1, names: tuple[str, ...] | None = None,
+                 shape: tuple[int, ...] | None = None) -> None:
+        self._size, self.ndim, self.mesh_dim_names = size, ndim, names
+        self.shape = shape or (size,)
 
-    def size(self) -> int:
-        return self._size
+    def size(self, dim: int | None = None) -> int:
+        return self._size if dim is None else self.shape[dim]
 
-    def get_local_rank(self) -> int:
+    def get_local_rank(self, dim: str | None = None) -> int:
         return 0
 
     def get_group(self):
@@ -49,10 +52,55 @@ def qwen3(n_heads: int = 8, n_kv_heads: int = 2, **kw) -> Qwen3Attention:
     return Qwen3Attention(Qwen3ModelArgs(dim=32, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, **kw))
 
 
-@pytest.mark.parametrize("mode", ["ring", "usp"])
-def test_later_modes_are_named(mode: str) -> None:
-    with pytest.raises(ConfigError, match="added later"):
-        convert_attention(llama3(), mode, NoCommMesh(2))
+def ring_mesh(size: int) -> NoCommMesh:
+    return NoCommMesh(size, names=("ring",))
+
+
+def usp_mesh(ring: int, ulysses: int) -> NoCommMesh:
+    return NoCommMesh(ring * ulysses, ndim=2, names=("ring", "ulysses"), shape=(ring, ulysses))
+
+
+@pytest.mark.parametrize(("mode", "mesh", "message"), [
+    ("ring", NoCommMesh(2), "mode 'ring' needs a 1-D mesh named 'ring'"),
+    ("ring", usp_mesh(2, 2), "mode 'ring' needs"),
+    ("usp", NoCommMesh(4), "mode 'usp' needs a 2-D"),
+    ("usp", ring_mesh(4), "mode 'usp' needs a 2-D"),
+    ("ulysses", usp_mesh(2, 2), "use mode 'usp'"),
+    ("upipe", ring_mesh(2), "named 'ring' is sharded zigzag"),
+    ("usp", NoCommMesh(4, ndim=2, names=("dp", "cp"), shape=(2, 2)), r"2-D with dims \('ring', 'ulysses'\)"),
+])
+def test_mode_and_mesh_must_agree(mode: str, mesh: NoCommMesh, message: str) -> None:
+    """The mesh decides the sequence layout; a mode that attends another layout is refused."""
+    with pytest.raises(ConfigError, match=message):
+        convert_attention(llama3(), mode, mesh)
+
+
+@pytest.mark.parametrize(("mode", "mesh"), [("ring", ring_mesh(4)), ("usp", usp_mesh(2, 2)),
+                                            ("upipe", usp_mesh(2, 2)), ("ring", usp_mesh(4, 1))])
+def test_ring_modes_convert_without_communication(mode: str, mesh: NoCommMesh) -> None:
+    layer = convert_attention(qwen3(), mode, mesh)
+    ring, ulysses = mesh.shape if mesh.ndim == 2 else (mesh.size(), 1)
+    assert (layer.cp_degree, layer.ring_degree, layer.ulysses_degree) == (ring * ulysses, ring, ulysses)
+
+
+def test_usp_ulysses_degree_must_split_the_heads() -> None:
+    with pytest.raises(ConfigError, match=re.escape("ulysses degree 3 cannot split n_heads=8, n_kv_heads=2 exactly: "
+                                                    "valid CP degrees are [1, 2, 4, 8]")):
+        convert_attention(llama3(), "usp", usp_mesh(2, 3))
+    with pytest.raises(ConfigError, match=r"valid values for n_heads=8 at CP degree 2 are 0 \(= 2\) or \[2, 4, 8\]"):
+        convert_attention(llama3(), "upipe", usp_mesh(2, 2), heads_per_stage=3)
+
+
+@pytest.mark.parametrize(("mesh", "local_len", "message"), [
+    (ring_mesh(2), 3, r"2 x ring x ulysses = 2 x 2 x 1 = 4"),
+    (usp_mesh(3, 2), 5, r"2 x 3 x 2 = 12"),
+])
+def test_ring_sequence_split_rejected_before_communication(mesh: NoCommMesh, local_len: int, message: str) -> None:
+    layer = convert_attention(llama3(), "usp" if mesh.ndim == 2 else "ring", mesh)
+    with pytest.raises(ConfigError, match=message):
+        layer(torch.zeros(1, local_len, 128), precompute_freqs_cis(16, 64), None)
+    with pytest.raises(ConfigError, match=message):
+        shard_sequence(torch.zeros(1, local_len * mesh.size(), 8), mesh, seq_dim=1)
 
 
 def test_unknown_mode() -> None:

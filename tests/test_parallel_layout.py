@@ -73,3 +73,131 @@ def shard_and_gather(rank: int, world: int, mesh) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_shard_and_gather_on_gloo(world: int) -> None:
     assert run_distributed(world, shard_and_gather) == [[]] * world
+
+
+# --- zigzag (ring x ulysses) layout ---------------------------------------------------------
+
+ZIGZAG_SHAPES = [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (2, 4), (4, 2), (3, 2)]
+
+
+@pytest.mark.parametrize(("ring", "ulysses"), ZIGZAG_SHAPES)
+def test_zigzag_maps_are_inverse_and_cover_every_token_once(ring: int, ulysses: int) -> None:
+    from titan_upipe.parallel import ZigzagLayout
+
+    seq = 2 * ring * ulysses * 3
+    layout = ZigzagLayout(seq, ring, ulysses)
+    assert layout.local_len * layout.world_size == seq
+    held = [t for rank in range(layout.world_size) for t in layout.positions(rank).tolist()]
+    assert sorted(held) == list(range(seq))  # every token exactly once
+    for token in range(seq):
+        rank, index = layout.owner(token)
+        assert layout.global_index(rank, index) == token
+        assert layout.positions(rank)[index].item() == token
+    for rank in range(layout.world_size):
+        for index in range(layout.local_len):
+            assert layout.owner(layout.global_index(rank, index)) == (rank, index)
+
+
+@pytest.mark.parametrize(("ring", "ulysses"), ZIGZAG_SHAPES)
+def test_ulysses_all_to_all_yields_the_ring_ranks_zigzag_chunks(ring: int, ulysses: int) -> None:
+    """The all-to-all joins the Ulysses ranks' shards in rank order: that must be exactly the
+    ring rank's chunks (r, 2R-1-r) in order, which is what the ring step assumes."""
+    from titan_upipe.attention.ring_plan import zigzag_chunks
+    from titan_upipe.parallel import ZigzagLayout
+
+    layout = ZigzagLayout(2 * ring * ulysses * 2, ring, ulysses)
+    k = layout.chunk_len
+    for r in range(ring):
+        joined = torch.cat([layout.positions(r * ulysses + u) for u in range(ulysses)]).tolist()
+        first, second = zigzag_chunks(r, ring)
+        assert joined == list(range(first * k, (first + 1) * k)) + list(range(second * k, (second + 1) * k))
+
+
+def _visibility(ring: int, chunk: int, rule=None) -> torch.Tensor:
+    """How often each (query, key) pair of the global sequence is attended, summed over the
+    ring ranks and steps of the plan; the exact causal mask means every visible pair once."""
+    from titan_upipe.attention.ring_plan import causal_block_kind, kv_source, step_calls, zigzag_chunks
+
+    seq = 2 * ring * chunk
+    counts = torch.zeros(seq, seq, dtype=torch.long)
+
+    def tokens(chunks, start, stop):
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in chunks[start:stop]])
+
+    for r in range(ring):
+        for step in range(ring):
+            q_chunks, kv_chunks = zigzag_chunks(r, ring), zigzag_chunks(kv_source(r, ring, step), ring)
+            for call in step_calls(r, ring, step, rule or causal_block_kind):
+                q = tokens(q_chunks, call.q_start, call.q_stop)
+                kv = tokens(kv_chunks, call.kv_start, call.kv_stop)
+                block = torch.ones(len(q), len(kv), dtype=torch.long)
+                if call.causal:
+                    block = block.tril()
+                counts[q.unsqueeze(1), kv.unsqueeze(0)] += block
+    return counts
+
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 4, 5, 8])
+def test_ring_plan_reproduces_the_global_causal_mask(ring: int) -> None:
+    from titan_upipe.attention.ring_plan import step_calls
+
+    counts = _visibility(ring, chunk=3)
+    assert torch.equal(counts, torch.ones_like(counts).tril())
+    # zigzag balance: after step 0 every rank runs one full chunk x chunk-pair block per step
+    for r in range(ring):
+        for step in range(1, ring):
+            (call,) = step_calls(r, ring, step)
+            assert not call.causal and (call.q_stop - call.q_start) * (call.kv_stop - call.kv_start) == 2
+
+
+def test_a_wrong_block_rule_is_visible_in_the_mask() -> None:
+    from titan_upipe.attention.ring_plan import BlockKind
+
+    def diagonal_as_full(q_chunk: int, kv_chunk: int) -> BlockKind:
+        return BlockKind.FULL if kv_chunk <= q_chunk else BlockKind.SKIP
+
+    counts = _visibility(2, chunk=3, rule=diagonal_as_full)
+    assert not torch.equal(counts, torch.ones_like(counts).tril())
+
+
+def test_zigzag_shard_unshard_and_rejections() -> None:
+    from titan_upipe.parallel import ZigzagLayout
+
+    layout = ZigzagLayout(16, 2, 2)
+    t = torch.randn(3, 16, 5)
+    shards = [layout.shard(t, r, 1) for r in range(4)]
+    assert shards[0].shape == (3, 4, 5)
+    # chunks of 4 tokens: ring rank 0 holds chunks (0, 3), ring rank 1 chunks (1, 2); Ulysses splits each pair
+    assert [s[0, :, 0].tolist() for s in shards] == [t[0, i:i + 4, 0].tolist() for i in (0, 12, 4, 8)]
+    assert torch.equal(layout.unshard(shards, 1), t)
+    assert not torch.equal(layout.unshard(shards[::-1], 1), t)
+    with pytest.raises(ConfigError, match=r"2 x ring x ulysses = 2 x 2 x 2 = 8"):
+        ZigzagLayout(12, 2, 2)
+    with pytest.raises(ValueError):
+        layout.owner(16)
+    with pytest.raises(ValueError):
+        layout.positions(4)
+
+
+def zigzag_shard_and_gather(rank: int, world: int, mesh, ulysses: int) -> list[str]:
+    from titan_upipe.parallel import context_parallel_mesh, gather_sequence, layout_for, shard_sequence
+
+    cp_mesh = context_parallel_mesh(mesh, "usp" if 1 < ulysses < world else "ring", ulysses if ulysses > 1 else 0)
+    problems = []
+    torch.manual_seed(0)
+    for shape, seq_dim in (((2, 32, 3), 1), ((16, 5), 0)):
+        full = torch.randn(shape)
+        local, positions = shard_sequence(full, cp_mesh, seq_dim)
+        layout = layout_for(cp_mesh, shape[seq_dim])
+        if not torch.equal(positions, layout.positions(rank)):  # CP rank = ring_rank * U + ulysses_rank = rank
+            problems.append(f"positions {shape}")
+        if not torch.equal(local, full.index_select(seq_dim, positions)):
+            problems.append(f"shard {shape}")
+        if not torch.equal(gather_sequence(local, cp_mesh, seq_dim), full):
+            problems.append(f"gather {shape}")
+    return problems
+
+
+@pytest.mark.parametrize("ulysses", [1, 2])
+def test_zigzag_shard_and_gather_on_gloo(ulysses: int) -> None:
+    assert run_distributed(4, zigzag_shard_and_gather, ulysses) == [[]] * 4

@@ -73,11 +73,16 @@ CP_CASES = [
                                             "--parallelism.context_parallel_degree", "4")),
     # CP = 2 inside, data parallel 2 outside, U = 2C = 4
     ("configs/debug/llama3_upipe.toml", 4, ("--training.local_batch_size", "2", "--upipe.heads_per_stage", "4")),
+    # USP: Ulysses 2 (inner) x zigzag ring 2 (outer), tokens/labels/positions sharded zigzag
+    ("configs/debug/llama3_usp.toml", 4, ("--training.local_batch_size", "4")),
+    # UPipe inside USP: stages of U = 2 heads, each stage's attention a ring over 2
+    ("configs/debug/llama3_upipe_usp.toml", 4, ("--training.local_batch_size", "4")),
 ]
 
 
 @pytest.mark.parametrize("config, ranks, overrides", CP_CASES,
-                         ids=["upipe-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4"])
+                         ids=["upipe-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4", "usp-u2r2",
+                              "upipe-in-usp-u2r2"])
 def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, tmp_path, config, ranks, overrides):
     torchrun(ranks, "titan_upipe.train", config, tmp_path, "--training.steps", STEPS, *overrides,
              *load_seed(llama3_seed))

@@ -42,3 +42,42 @@ def test_invalid_jobs_name_setting_and_choices(overrides, world, message):
 
 def test_cp_mode_picks_the_attention_converter():
     assert cp_mode(["upipe"]) == "upipe" and cp_mode(["float8"]) is None
+
+
+# --- ring / USP / UPipe inside USP: [upipe] ulysses_degree ----------------------------------
+
+USP = "configs/debug/llama3_usp.toml"  # CP = 4, ulysses_degree = 2 (ring 2)
+
+
+def test_committed_ring_and_usp_configs_are_valid():
+    for config in (USP, "configs/debug/llama3_upipe_usp.toml", "configs/debug/llama3_ring.toml"):
+        check_job(job(config=config), world_size=4)
+    check_job(job("--parallelism.context_parallel_degree", "8", "--upipe.ulysses_degree", "4", config=USP),
+              world_size=8)  # 4 Ulysses ranks > 2 KV heads: K/V replicated
+    check_job(job("--upipe.ulysses_degree", "1", config="configs/debug/llama3_upipe_usp.toml"), world_size=4)
+
+
+@pytest.mark.parametrize(
+    "config, overrides, world, message",
+    [
+        (USP, ("--upipe.ulysses_degree", "0"), 4, r"ulysses_degree = 0 is invalid for mode 'usp' .* valid values "
+                                                  r"are \[2\] \(ulysses_degree = CP is mode 'ulysses'"),
+        (USP, ("--upipe.ulysses_degree", "4"), 4, r"valid values are \[2\]"),
+        (USP, ("--upipe.ulysses_degree", "3"), 4, r"ulysses_degree = 3 does not divide .*context_parallel_degree = 4"),
+        (USP, ("--parallelism.context_parallel_degree", "2"), 2, r"valid values are none"),
+        (USP, ("--training.seq_len", "500"), 4, r"not divisible by 2 x ring x ulysses = 2 x 2 x 2 = 8"),
+        (USP, ("--parallelism.context_parallel_degree", "8"), 4, "do not match the world size 4"),
+        # a Ulysses degree of 3 splits neither the 8 query heads nor the 2 KV heads
+        (USP, ("--parallelism.context_parallel_degree", "6", "--upipe.ulysses_degree", "3"), 6,
+         r"upipe.ulysses_degree 3 cannot split n_heads=8.*use upipe.ulysses_degree in \[2\]"),
+        ("configs/debug/llama3_ring.toml", ("--upipe.ulysses_degree", "2"), 4,
+         r"invalid for mode 'ring' .* valid values are \[0, 1\] \(for Ulysses x ring use mode 'usp'\)"),
+        (UPIPE, ("--upipe.ulysses_degree", "1", "--upipe.heads_per_stage", "3"), 2, "upipe.heads_per_stage=3"),
+        ("configs/debug/llama3_ulysses.toml", ("--upipe.ulysses_degree", "1"), 2,
+         r"invalid for mode 'ulysses' .* valid values are \[0, 2\]"),
+        ("configs/debug/llama3_upipe_usp.toml", ("--training.seq_len", "4"), 4, r"use a multiple of 8"),
+    ],
+)
+def test_invalid_ring_and_usp_jobs(config, overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job(job(*overrides, config=config), world_size=world)

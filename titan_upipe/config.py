@@ -14,6 +14,7 @@ the valid choices: a bad value fails before any process group starts.
 from dataclasses import dataclass, field
 
 ATTENTION_BACKENDS = ("sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4")
+KERNEL_BACKENDS = ("auto", "torch", "liger")
 
 
 class ConfigError(ValueError):
@@ -61,8 +62,56 @@ class UPipe:
         )
 
 
+def _require_tile(value: object, key: str) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key, value,
+             "0 (automatic size) or a positive number of tokens")
+
+
+@dataclass
+class Transforms:
+    """Settings of the memory transforms (``tiled_mlp``, ``tiled_rmsnorm``, ``fused_ce``
+    converters). Every size is in tokens of this rank's batch; 0 picks the default."""
+
+    mlp_tile_tokens: int = 0
+    """Tokens per tiled-MLP tile; 0 means d_model tokens (the paper's square tile)."""
+
+    rmsnorm_tile_tokens: int = 0
+    """Tokens per tiled-RMSNorm tile; 0 means d_model tokens."""
+
+    ce_chunk_tokens: int = 0
+    """Tokens per fused cross-entropy chunk (torch path); 0 makes a chunk's logits about as
+    large as the hidden states (ceil(tokens * d_model / vocab) tokens)."""
+
+    ce_backend: str = "auto"
+    """auto (Liger's fused linear cross-entropy on CUDA when installed, else the chunked torch
+    path), torch, or liger (CUDA with liger-kernel installed)."""
+
+    def __post_init__(self) -> None:
+        _require_tile(self.mlp_tile_tokens, "transforms.mlp_tile_tokens")
+        _require_tile(self.rmsnorm_tile_tokens, "transforms.rmsnorm_tile_tokens")
+        _require_tile(self.ce_chunk_tokens, "transforms.ce_chunk_tokens")
+        _require(self.ce_backend in KERNEL_BACKENDS, "transforms.ce_backend", self.ce_backend,
+                 ", ".join(KERNEL_BACKENDS))
+
+
+@dataclass
+class ActivationCheckpointOffload:
+    """Fields merged into TorchTitan's own ``[activation_checkpoint]`` section (TorchTitan merges
+    same-named sections field by field; its ``mode`` etc. stay as they are). Checked by
+    ``titan_upipe.transforms.validation`` because the merged section keeps TorchTitan's class."""
+
+    cpu_offload: bool = False
+    """With ``mode = "full"``: keep each block's saved input in host memory between forward and
+    backward; backward prefetches the next block's input while the current one recomputes."""
+
+    pin_memory: bool = True
+    """Offload into page-locked host memory (faster copies; set false when host RAM is short)."""
+
+
 @dataclass
 class JobConfig:
     """Sections this plugin adds to TorchTitan's ``JobConfig``."""
 
     upipe: UPipe = field(default_factory=UPipe)
+    transforms: Transforms = field(default_factory=Transforms)
+    activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)

@@ -1,9 +1,11 @@
-"""Model converters ``ulysses`` and ``upipe``: context-parallel attention in every block.
+"""Model converters ``ulysses``, ``upipe``, ``ring`` and ``usp``: context-parallel attention in every block.
 
 TorchTitan applies converters on the meta device, before ``parallelize_fn`` and
 ``init_weights``; ``convert_attention`` shares the block's parameters, so FSDP,
 checkpoints and weight initialisation see the unconverted parameter names.
-The CP mesh comes from ``parallel_dims``; U and the kernel from ``[upipe]``.
+The mesh is derived from ``parallel_dims``' CP mesh and ``[upipe] ulysses_degree``
+(``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and
+the kernel come from ``[upipe]``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torchtitan.tools.logging import logger
 
 from titan_upipe.attention import convert_attention
 from titan_upipe.config import ConfigError
-from titan_upipe.parallel import layout_for
+from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
 from titan_upipe.validation import check_context_parallel
 
 
@@ -25,18 +27,21 @@ class _ContextParallelAttentionConverter:
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         check_context_parallel(job_config)
-        self.cp_mesh = parallel_dims.get_mesh("cp")
+        self.cp_mesh = context_parallel_mesh(parallel_dims.get_mesh("cp"), self.mode, job_config.upipe.ulysses_degree)
         self.heads_per_stage = job_config.upipe.heads_per_stage if self.mode == "upipe" else None
         self.backend = job_config.upipe.attention_backend
 
     def convert(self, model: nn.Module) -> None:
+        # fused_rope may have run first (converters apply in model.converters order).
+        in_place_rope = getattr(model, "fused_rope_kind", None) is not None
         for block in model.layers.values():
             block.attention = convert_attention(
                 block.attention, self.mode, self.cp_mesh,
-                heads_per_stage=self.heads_per_stage, backend=self.backend,
+                heads_per_stage=self.heads_per_stage, backend=self.backend, in_place_rope=in_place_rope,
             )
         model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
-        logger.info("Converted attention to %s over a CP mesh of %d ranks", self.mode, self.cp_mesh.size())
+        logger.info("Converted attention to %s over a CP mesh of %d ranks (%s)", self.mode, self.cp_mesh.size(),
+                    dict(zip(self.cp_mesh.mesh_dim_names or (), self.cp_mesh.shape, strict=True)))
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
@@ -45,9 +50,10 @@ class _ContextParallelAttentionConverter:
 class _LayoutCheck:
     """Once, at the first forward: the tokens must be sharded in our layout.
 
-    TorchTitan's own trainer shards CP inputs head-tail (load balancing for ring
-    attention); the Ulysses all-to-all would then join shards in the wrong order and
-    silently compute another sequence. ``titan_upipe.train`` shards in our layout.
+    TorchTitan's own trainer shards CP inputs head-tail (load balancing for its ring
+    attention); the Ulysses all-to-all and our zigzag ring would then join shards in the
+    wrong order and silently compute another sequence. ``titan_upipe.train`` shards in our
+    layout (contiguous or zigzag, whichever this mesh's attention expects).
     """
 
     def __init__(self, cp_mesh) -> None:
@@ -61,7 +67,7 @@ class _LayoutCheck:
         tokens = args[0] if args else kwargs["tokens"]
         local_len = tokens.shape[-1]
         layout = layout_for(self.cp_mesh, local_len * self.cp_mesh.size())
-        expected = layout.positions(self.cp_mesh.get_local_rank(), device=tokens.device)
+        expected = layout.positions(layout_rank(self.cp_mesh), device=tokens.device)
         if positions is None or not torch.equal(positions.reshape(-1, local_len)[0].to(expected.dtype), expected):
             raise ConfigError(
                 "context-parallel inputs are not in titan_upipe's sequence layout: launch with "
@@ -79,7 +85,15 @@ class UPipeConverter(_ContextParallelAttentionConverter):
     mode = "upipe"
 
 
-CONVERTERS = {"ulysses": UlyssesConverter, "upipe": UPipeConverter}
+class RingConverter(_ContextParallelAttentionConverter):
+    mode = "ring"
+
+
+class USPConverter(_ContextParallelAttentionConverter):
+    mode = "usp"
+
+
+CONVERTERS = {"ulysses": UlyssesConverter, "upipe": UPipeConverter, "ring": RingConverter, "usp": USPConverter}
 
 
 def register() -> None:

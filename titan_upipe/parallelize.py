@@ -1,4 +1,5 @@
-"""``parallelize_fn`` of the plugin's train specs: activation checkpointing, compile, FSDP.
+"""``parallelize_fn`` of the plugin's train specs: activation checkpointing (TorchTitan's, or full
+checkpointing with host-offloaded block inputs), compile, FSDP.
 
 Context parallelism is not applied here: the CP attention converters
 (``model.converters``) have already replaced each block's attention before this
@@ -18,6 +19,7 @@ from torchtitan.tools.logging import logger
 
 from titan_upipe import cpu_runtime
 from titan_upipe.config import ConfigError
+from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.validation import check_job
 
 
@@ -25,7 +27,11 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     check_job(job_config, parallel_dims.world_size)
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if job_config.activation_checkpoint.mode != "none":
+    ac_config = job_config.activation_checkpoint
+    if getattr(ac_config, "cpu_offload", False):  # mode "full", checked by check_job
+        apply_offloaded_ac(model, pin_memory=ac_config.pin_memory)
+        logger.info("Applied full activation checkpointing with block inputs offloaded to host memory")
+    elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  base_folder=job_config.job.dump_folder)
     if compile_model:

@@ -6,9 +6,10 @@ CONFIG_MODULE = "titan_upipe.config"
 
 
 def register_all() -> None:
-    from titan_upipe import converters, specs
+    from titan_upipe import converters, specs, transforms
     from titan_upipe.data import synthetic
 
     synthetic.register_with_torchtitan()
     specs.register()
     converters.register()
+    transforms.register()

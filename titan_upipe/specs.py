@@ -2,8 +2,9 @@
 
 ``upipe_llama3`` and ``upipe_qwen3`` keep TorchTitan's model classes and
 flavors (so checkpoints and HF conversion are unchanged) and swap in our
-``parallelize_fn`` and data/tokenizer builders. Loss and metrics stay
-TorchTitan's for now. Each spec owns a copy of the flavor dict, because
+``parallelize_fn``, data/tokenizer builders and loss (TorchTitan's summed cross-entropy,
+or the fused head's under the ``fused_ce`` converter) and metrics (causal attention FLOPs,
+grouped TensorBoard tags: ``titan_upipe.metrics``). Each spec owns a copy of the flavor dict, because
 ``update_from_config`` mutates the flavor args in place.
 
 Debug flavors (vocabulary = the embedded tokenizer's 512 ids):
@@ -29,7 +30,9 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from titan_upipe.data import synthetic
 from titan_upipe.data.tokenizer import VOCAB_SIZE
+from titan_upipe.metrics import build_metrics_processor
 from titan_upipe.parallelize import parallelize
+from titan_upipe.transforms.loss import build_loss_fn
 
 LLAMA3_SPEC = "upipe_llama3"
 QWEN3_SPEC = "upipe_qwen3"
@@ -65,6 +68,8 @@ def _derived_spec(base_name: str, debug_flavors: dict) -> TrainSpec:
         pipelining_fn=None,
         build_dataloader_fn=synthetic.build_dataloader,
         build_tokenizer_fn=synthetic.build_tokenizer,
+        build_loss_fn=build_loss_fn,
+        build_metrics_processor_fn=build_metrics_processor,
     )
 
 

@@ -1,10 +1,11 @@
 """TorchTitan's ``Trainer`` with one change: how context-parallel inputs are sharded.
 
 Under CP, TorchTitan shards tokens, labels and positions head-tail for its ring
-attention. Ulysses/UPipe expect ``titan_upipe.parallel``'s layout (contiguous on a
-1-D CP mesh), so tokens, labels and their global positions are sharded with
-``shard_sequence``. Token counts for the loss are taken before sharding, by the
-unchanged trainer, so the loss summed over CP ranks is the single-device mean.
+attention. Our attention expects ``titan_upipe.parallel``'s layout (contiguous for
+Ulysses/UPipe on the 1-D CP mesh; zigzag over ring x contiguous over Ulysses for ring, USP
+and UPipe inside USP), so tokens, labels and their global positions are sharded with
+``shard_sequence`` on the mesh the converter derived (read back from the converted
+attention). Token counts for the loss are taken before sharding, by the unchanged trainer, so the loss summed over CP ranks is the single-device mean.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any
 import torch
 from torchtitan.train import Trainer
 
+from titan_upipe.attention import sequence_mesh
+from titan_upipe.config import ConfigError
 from titan_upipe.parallel import shard_sequence
+from titan_upipe.validation import CP_MODES
 
 
 class ContextParallelTrainer(Trainer):
@@ -23,8 +27,18 @@ class ContextParallelTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
-        cp_mesh = self.parallel_dims.get_mesh("cp")
+        cp_mesh = self._sequence_mesh()
         inputs, positions = shard_sequence(input_dict["input"], cp_mesh, seq_dim=1)
         labels, _ = shard_sequence(labels, cp_mesh, seq_dim=1)
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         return inputs, labels, extra_inputs, {"positions": positions}
+
+    def _sequence_mesh(self):
+        """The mesh of the converted attention (validation refused CP > 1 without a converter)."""
+        if getattr(self, "_cp_sequence_mesh", None) is None:
+            meshes = [sequence_mesh(part) for part in self.model_parts]
+            self._cp_sequence_mesh = next((m for m in meshes if m is not None), None)
+            if self._cp_sequence_mesh is None:
+                raise ConfigError("parallelism.context_parallel_degree > 1 but no attention was converted: "
+                                  f"add one of {', '.join(CP_MODES)} to model.converters")
+        return self._cp_sequence_mesh

@@ -9,11 +9,17 @@ still before any collective of ours).
 
 from __future__ import annotations
 
-from titan_upipe.attention.validation import check_cp_degree, resolve_heads_per_stage
+from titan_upipe.attention.validation import (
+    check_cp_degree,
+    resolve_heads_per_stage,
+    resolve_mesh_shape,
+    valid_ulysses_degrees,
+)
 from titan_upipe.config import ConfigError
+from titan_upipe.transforms.validation import check_transforms
 
 CP_MODES = ("ulysses", "upipe", "ring", "usp")
-"""Converter names that provide context-parallel attention (ring/usp come with a later issue)."""
+"""Converter names that provide context-parallel attention."""
 
 
 def cp_mode(converters: list[str]) -> str | None:
@@ -86,20 +92,52 @@ def check_context_parallel(job_config) -> None:
             f"model.converters has {mode!r} but parallelism.context_parallel_degree = {cp}: "
             "set it to 2 or more (a divisor of the world size that splits the heads)"
         )
-    n_heads, n_kv_heads = model_heads(job_config)
-    check_cp_degree(n_heads, n_kv_heads, cp)
-    if mode == "upipe":
-        resolve_heads_per_stage(n_heads, n_kv_heads, cp, job_config.upipe.heads_per_stage)
-    seq_len = job_config.training.seq_len
-    if seq_len % cp:
+    ulysses_setting = job_config.upipe.ulysses_degree
+    if cp % max(ulysses_setting, 1):
         raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by parallelism.context_parallel_degree = {cp}: "
-            f"use a multiple of {cp} (e.g. {seq_len - seq_len % cp or cp})"
+            f"upipe.ulysses_degree = {ulysses_setting} does not divide parallelism.context_parallel_degree = {cp}: "
+            f"valid values for mode {mode!r} are {valid_ulysses_degrees(mode, cp)}"
         )
+    ring, ulysses, _ = resolve_mesh_shape(mode, cp, ulysses_setting)
+    n_heads, n_kv_heads = model_heads(job_config)
+    if ring == 1:
+        check_cp_degree(n_heads, n_kv_heads, cp)
+    else:
+        _check_ulysses_heads(mode, n_heads, n_kv_heads, cp, ulysses)
+    if mode == "upipe":
+        resolve_heads_per_stage(n_heads, n_kv_heads, ulysses, job_config.upipe.heads_per_stage)
+    seq_len = job_config.training.seq_len
+    unit = cp if ring == 1 else 2 * ring * ulysses
+    if seq_len % unit:
+        what = (f"parallelism.context_parallel_degree = {cp}" if ring == 1 else
+                f"2 x ring x ulysses = 2 x {ring} x {ulysses} = {unit} (zigzag chunks over the Ulysses ranks)")
+        raise ConfigError(
+            f"training.seq_len = {seq_len} is not divisible by {what}: "
+            f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
+        )
+
+
+def _check_ulysses_heads(mode: str, n_heads: int, n_kv_heads: int, cp: int, ulysses: int) -> None:
+    """With a ring, only the Ulysses degree splits heads (K/V replicated when it exceeds KV)."""
+    try:
+        check_cp_degree(n_heads, n_kv_heads, ulysses, what="upipe.ulysses_degree")
+    except ConfigError as exc:
+        valid = [d for d in valid_ulysses_degrees(mode, cp) if d > 0 and n_heads % d == 0
+                 and (n_kv_heads % d == 0 or d % n_kv_heads == 0)]
+        raise ConfigError(f"{exc}; for mode {mode!r} at CP {cp} use upipe.ulysses_degree in {valid}") from None
+
+
+JOB_CHECKS = (
+    lambda job_config, world_size: check_supported_parallelism(job_config.parallelism),
+    lambda job_config, world_size: check_world_size(job_config.parallelism, world_size),
+    lambda job_config, world_size: check_context_parallel(job_config),
+    lambda job_config, world_size: check_transforms(job_config),
+)
+"""Every job-level check as ``check(job_config, world_size)``; ``titan_upipe.validate`` runs
+them all to report every problem, ``check_job`` stops at the first."""
 
 
 def check_job(job_config, world_size: int) -> None:
     """All checks; raises the first problem found."""
-    check_supported_parallelism(job_config.parallelism)
-    check_world_size(job_config.parallelism, world_size)
-    check_context_parallel(job_config)
+    for check in JOB_CHECKS:
+        check(job_config, world_size)

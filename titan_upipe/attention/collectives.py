@@ -56,6 +56,8 @@ class AllToAll(torch.autograd.Function):
 def sequence_to_heads(x: Tensor, cp_degree: int, group: dist.ProcessGroup | None) -> Tensor:
     """Differentiable ``[B, L, C*h, D]`` (my tokens, all heads) -> ``[B, h, S, D]`` (my heads, all tokens)."""
     b, seq, heads, d = x.shape
+    if cp_degree == 1:  # no Ulysses ranks (pure ring attention): a view, no copy
+        return x.permute(0, 2, 1, 3)
     send = x.view(b, seq, cp_degree, heads // cp_degree, d).permute(2, 1, 0, 3, 4)
     return heads_view(AllToAll.apply(send, group))
 
@@ -63,6 +65,8 @@ def sequence_to_heads(x: Tensor, cp_degree: int, group: dist.ProcessGroup | None
 def heads_to_sequence(out: Tensor, cp_degree: int, group: dist.ProcessGroup | None) -> Tensor:
     """Differentiable inverse of ``sequence_to_heads``: ``[B, h, S, D]`` -> ``[B, L, C*h, D]``."""
     b, h, s, d = out.shape
+    if cp_degree == 1:
+        return out.permute(0, 2, 1, 3)
     send = seq_major(out).reshape(cp_degree, s // cp_degree, b, h, d)
     recv = AllToAll.apply(send, group)  # chunk i: heads of rank i for my tokens
     return recv.permute(2, 1, 0, 3, 4).reshape(b, s // cp_degree, cp_degree * h, d)

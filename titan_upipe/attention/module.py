@@ -19,18 +19,23 @@ from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import get_backend
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
+from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
 from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
 from titan_upipe.attention.validation import (
     check_attention_masks,
+    check_cp_degree,
     check_local_inputs,
+    check_mesh_for_mode,
     check_mode,
+    check_ring_sequence,
     resolve_heads_per_stage,
 )
 from titan_upipe.config import ConfigError
-from titan_upipe.parallel.layout import ContiguousLayout
+from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
+from titan_upipe.parallel.sequence import layout_for
 
 Tensor = torch.Tensor
 
@@ -80,10 +85,15 @@ class AttentionSpec:
 
 
 class ContextParallelAttention(nn.Module):
-    """Ulysses or UPipe attention over a 1-D context-parallel mesh (contiguous sequence shards)."""
+    """Ulysses, UPipe, ring or USP attention over a context-parallel mesh.
+
+    The Ulysses part (all-to-all, UPipe's head stages) runs over the ``ulysses`` ranks with
+    ``schedule`` (whose ``cp_degree`` is the Ulysses degree); when the mesh has a ring of
+    ``ring_degree > 1`` ranks, the local kernel is replaced by zigzag ring attention over it.
+    """
 
     def __init__(self, source: nn.Module, spec: AttentionSpec, mode: str, cp_mesh: DeviceMesh,
-                 schedule: HeadSchedule, backend: str) -> None:
+                 schedule: HeadSchedule, backend: str, ring_degree: int = 1) -> None:
         super().__init__()
         # The very same submodules, registered in the source's order: parameters are shared
         # and named (and ordered) as before, so state dicts and FSDP groups are unchanged.
@@ -98,10 +108,20 @@ class ContextParallelAttention(nn.Module):
         self.enable_gqa = spec.n_heads > spec.n_kv_heads
         self.attn_type = "sdpa"
         self.spec, self.mode, self.cp_mesh, self.schedule = spec, mode, cp_mesh, schedule
+        self.ring_degree = ring_degree
         self.backend = get_backend(backend)
+        self.block_rule = None
+        """None: the causal block rule; tests replace it to show a wrong rule is caught."""
+        self.in_place_rope = False
+        """RoPE in place where no gradient is recorded; set by the ``fused_rope`` transform."""
 
     @property
     def cp_degree(self) -> int:
+        """All context-parallel ranks: ring x ulysses."""
+        return self.ring_degree * self.schedule.cp_degree
+
+    @property
+    def ulysses_degree(self) -> int:
         return self.schedule.cp_degree
 
     @property
@@ -112,13 +132,14 @@ class ContextParallelAttention(nn.Module):
         self.spec.source_class.init_weights(self, init_std)
 
     def extra_repr(self) -> str:
-        return (f"mode={self.mode}, cp_degree={self.cp_degree}, heads_per_stage={self.heads_per_stage}, "
+        return (f"mode={self.mode}, cp_degree={self.cp_degree} (ring {self.ring_degree} x ulysses "
+                f"{self.ulysses_degree}), heads_per_stage={self.heads_per_stage}, "
                 f"stages={self.schedule.n_stages}, backend={self.backend.name}")
 
-    def _local_positions(self, x: Tensor, positions: Tensor | None, rank: int) -> Tensor:
+    def _local_positions(self, x: Tensor, positions: Tensor | None) -> Tensor:
         if positions is None:
-            layout = ContiguousLayout(x.shape[1] * self.cp_degree, self.cp_degree)
-            return layout.positions(rank, device=x.device).unsqueeze(0)
+            layout = layout_for(self.cp_mesh, x.shape[1] * self.cp_degree)
+            return layout.positions(layout_rank(self.cp_mesh), device=x.device).unsqueeze(0)
         positions = positions.to(device=x.device, dtype=torch.long)
         return positions.unsqueeze(0) if positions.dim() == 1 else positions
 
@@ -142,21 +163,29 @@ class ContextParallelAttention(nn.Module):
     def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None) -> Tensor:
         check_attention_masks(attention_masks)
         check_local_inputs(x, positions, self.cp_degree)
+        check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
-        rank = self.cp_mesh.get_local_rank()
-        local_positions = self._local_positions(x, positions, rank)
+        local_positions = self._local_positions(x, positions)
+        ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
+        backend = self.backend
+        if self.ring_degree > 1:
+            ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
+            rule = {} if self.block_rule is None else {"rule": self.block_rule}
+            backend = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size, **rule)
         run = AttentionRun(
             schedule=self.schedule,
-            projection=HeadProjection(self.head_dim, self.spec.rotary, freqs_cis, local_positions, self.spec.norm_eps),
-            backend=self.backend,
-            group=self.cp_mesh.get_group(),
+            projection=HeadProjection(self.head_dim, self.spec.rotary, freqs_cis, local_positions, self.spec.norm_eps,
+                                      self.in_place_rope),
+            backend=backend,
+            group=ulysses_group,
             scale=self.spec.scale,
             qk_norm=self.spec.qk_norm,
-            rank=rank,
+            rank=ulysses_rank,
         )
         norms = (self.q_norm.weight, self.k_norm.weight) if self.spec.qk_norm else (None, None)
         weights = (self.wq.weight, self.wk.weight, self.wv.weight, *norms)
-        if self.mode == "ulysses":
+        if self.mode in ("ulysses", "ring", "usp"):
+            # ring: Ulysses with one rank; usp: Ulysses whose kernel is the ring.
             out = ulysses_attention(x, *weights, run)
         else:
             out = UPipeAttentionFunction.apply(x, *weights, run)
@@ -164,22 +193,41 @@ class ContextParallelAttention(nn.Module):
 
 
 def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_per_stage: int | None = None,
-                      backend: str = "sdpa") -> ContextParallelAttention:
+                      backend: str = "sdpa", *, in_place_rope: bool = False) -> ContextParallelAttention:
     """Wrap a TorchTitan Llama3/Qwen3 ``Attention`` for context parallelism over ``cp_mesh``.
 
-    ``mode``: ``"ulysses"`` or ``"upipe"``. ``heads_per_stage`` (UPipe's U): None or 0 means
-    U = C; U = H is one stage (Ulysses numerics with UPipe's recompute). Ulysses ignores it.
+    ``mode`` and mesh (``titan_upipe.parallel.context_parallel_mesh`` builds them):
+
+    * ``"ulysses"``, ``"upipe"``: a 1-D CP mesh (contiguous shards);
+    * ``"ring"``: a 1-D mesh named ``"ring"`` (zigzag shards);
+    * ``"usp"``, ``"upipe"``: a 2-D ``("ring", "ulysses")`` mesh; UPipe then runs each stage's
+      attention as a ring over the outer dim.
+
+    ``heads_per_stage`` (UPipe's U): None or 0 means U = the Ulysses degree; U = H is one
+    stage. Other modes ignore it. ``in_place_rope``: rotate Q/K in place where no gradient is
+    recorded (what the ``fused_rope`` transform turns on; off keeps TorchTitan's RoPE op order).
     Every setting is validated here, before any communication, raising ConfigError.
     """
     check_mode(mode)
-    if cp_mesh.ndim != 1:
-        raise ConfigError(f"cp_mesh must be 1-D (ring x ulysses meshes come with the USP mode), got {cp_mesh.ndim}-D")
+    ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
+    check_mesh_for_mode(mode, ring_degree, ulysses_degree, cp_mesh.ndim, is_ring_mesh(cp_mesh))
     spec = AttentionSpec.of(module)
-    cp_degree = cp_mesh.size()
-    if mode == "ulysses":
-        resolve_heads_per_stage(spec.n_heads, spec.n_kv_heads, cp_degree, None)
-        u = spec.n_heads
+    what = "context-parallel degree" if ring_degree == 1 else "ulysses degree"
+    check_cp_degree(spec.n_heads, spec.n_kv_heads, ulysses_degree, what)
+    if mode == "upipe":
+        u = resolve_heads_per_stage(spec.n_heads, spec.n_kv_heads, ulysses_degree, heads_per_stage)
     else:
-        u = resolve_heads_per_stage(spec.n_heads, spec.n_kv_heads, cp_degree, heads_per_stage)
-    schedule = build_schedule(spec.n_heads, spec.n_kv_heads, cp_degree, u)
-    return ContextParallelAttention(module, spec, mode, cp_mesh, schedule, backend)
+        u = spec.n_heads
+    schedule = build_schedule(spec.n_heads, spec.n_kv_heads, ulysses_degree, u)
+    layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, backend, ring_degree)
+    layer.in_place_rope = in_place_rope
+    return layer
+
+
+def sequence_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The CP mesh the converted attention of ``model`` runs on (it decides the sequence
+    layout the inputs must be sharded in); None when no attention was converted."""
+    for module in model.modules():
+        if isinstance(module, ContextParallelAttention):
+            return module.cp_mesh
+    return None

@@ -8,6 +8,14 @@ of ``wq``/``wk``/``wv`` (rows ``h*D:(h+1)*D`` are head ``h``), ``F.rms_norm`` pe
 * Llama3: ``freqs_cis`` complex64 ``[max_seq, D/2]``; x is viewed as complex pairs in fp32.
 * Qwen3: ``rope_cache`` fp32 ``[max_seq, 2D]`` = cos || sin, applied with ``rotate_half``
   after casting cos/sin to x's dtype.
+
+With ``in_place_rope`` (set by the ``fused_rope`` transform) and no gradient recorded (UPipe's
+forward and recompute run inside an autograd Function; Ulysses under activation
+checkpointing), RoPE is applied in place (:func:`rotate_`): one head at a time in fp32,
+written back in x's dtype, so no fp32 copy of the projected heads exists (paper section 2.3,
+"fused RoPE"). Without it the attention keeps TorchTitan's RoPE op order exactly, bf16
+rounding included. The table may be the model's full table or only the rows of this rank's
+positions (the ``fused_rope`` converter); ``positions`` index it either way.
 """
 
 from __future__ import annotations
@@ -41,6 +49,52 @@ def rotate(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Ten
     return ((x * cos) + (qwen3_model.rotate_half(x) * sin)).type_as(x)
 
 
+def _table_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 (cos, sin) ``[P, L, D/2]`` of ``positions`` ``[P, L]`` (P = 1 or B)."""
+    rows = table[positions]
+    if rows.is_complex():
+        return rows.real, rows.imag
+    half = rows.shape[-1] // 4  # cos(D) || sin(D), each half of D repeated
+    return rows[..., :half], rows[..., 2 * half : 3 * half]
+
+
+ROTATE_CHUNKS = 8
+"""Token chunks per head in :func:`rotate_`: fp32 temporaries are 2.5/8 of one head."""
+
+
+def rotate_(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Tensor:
+    """In-place RoPE of ``x`` ``[B, L, h, D]``: fp32 math per element, one head at a time.
+
+    The same products and sums as TorchTitan's complex multiply (Llama3) and ``rotate_half``
+    (Qwen3) formulas, each product rounded on its own (no fused multiply-add), so in fp32 the
+    result equals TorchTitan's bit for bit; in bf16 it is rounded once to x's dtype (Qwen3 in
+    bf16 rounds each op to bf16; the difference is within one bf16 ulp). Temporaries:
+    2.5/ROTATE_CHUNKS of one head in fp32.
+    """
+    cos, sin = _table_rows(table, positions)
+    if kind is RotaryKind.COMPLEX:  # interleaved (re, im) pairs
+        pairs = x.unflatten(-1, (-1, 2))
+        first, second = pairs[..., 0], pairs[..., 1]
+    else:  # halves
+        half = x.shape[-1] // 2
+        first, second = x[..., :half], x[..., half:]
+    seq = x.shape[1]
+    chunk = -(-seq // ROTATE_CHUNKS)
+    for head in range(x.shape[2]):
+        for start in range(0, seq, chunk):
+            tokens = slice(start, start + chunk)
+            c, s = cos[:, tokens], sin[:, tokens]
+            # Copies (never aliases, even in fp32) so x can be overwritten in place.
+            a = first[:, tokens, head].to(torch.float32, copy=True)
+            b = second[:, tokens, head].to(torch.float32, copy=True)
+            # Separate products, not addcmul_: its fused multiply-add rounds differently
+            # from the reference formulas.
+            first[:, tokens, head].copy_(a * c - b * s)
+            second[:, tokens, head].copy_(b * c + a * s)
+            del a, b
+    return x
+
+
 @dataclass
 class HeadProjection:
     """Turns a rank's tokens ``x`` ``[B, L, dim]`` into ready-to-attend heads, any run at a time."""
@@ -51,6 +105,8 @@ class HeadProjection:
     positions: Tensor
     """``[1, L]`` or ``[B, L]`` int64: global positions of this rank's tokens."""
     norm_eps: float | None = None
+    in_place_rope: bool = False
+    """Rotate in place (:func:`rotate_`) where no gradient is recorded: the ``fused_rope`` transform."""
 
     def _rows(self, weight: Tensor, heads: tuple[int, ...]) -> Tensor:
         return weight[heads[0] * self.head_dim : (heads[-1] + 1) * self.head_dim]
@@ -59,7 +115,10 @@ class HeadProjection:
         if use_norm:
             p = F.rms_norm(p, (self.head_dim,), norm_weight, self.norm_eps)
         if use_rope:
-            p = rotate(p, self.rope_table, self.positions, self.rotary)
+            if self.in_place_rope and not (torch.is_grad_enabled() and p.requires_grad):
+                p = rotate_(p, self.rope_table, self.positions, self.rotary)
+            else:  # autograd, or no fused_rope: TorchTitan's op order
+                p = rotate(p, self.rope_table, self.positions, self.rotary)
         return p
 
     def project(

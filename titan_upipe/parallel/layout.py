@@ -1,10 +1,16 @@
 """Where each token of a context-parallel sequence lives: pure token <-> (rank, index) maps.
 
-Only the contiguous layout exists for now (rank ``r`` holds tokens ``[r*S/C, (r+1)*S/C)``),
-which is what Ulysses and UPipe need: after their all-to-all the received chunks, in rank
-order, are the sequence in order, so causal masking needs no permutation. A zigzag
-(ring x ulysses) layout will be another ``SequenceLayout``: the attention then permutes
-the gathered sequence with ``global_index``.
+* ``ContiguousLayout`` (Ulysses/UPipe on a 1-D mesh): rank ``r`` holds tokens
+  ``[r*S/C, (r+1)*S/C)``; after the all-to-all the received chunks, in rank order, are the
+  sequence in order, so causal masking needs no permutation.
+* ``ZigzagLayout`` (ring, USP, UPipe inside USP; ``R`` ring x ``U`` Ulysses ranks, CP rank
+  ``c = ring_rank * U + ulysses_rank``, Ulysses innermost): the sequence is cut into ``2R``
+  chunks of ``S/(2R)`` tokens; ring rank ``r`` owns chunks ``r`` and ``2R-1-r`` (zigzag: every
+  ring rank gets the same causal work), and its "ring-local sequence" is those two chunks
+  concatenated. The ``U`` Ulysses ranks of ring rank ``r`` hold contiguous ``S/(R*U)``-token
+  pieces of that ring-local sequence, so the Ulysses all-to-all (chunks joined in Ulysses
+  rank order) hands every rank exactly the ring-local sequence the ring step expects.
+  With ``R = 1`` it is the contiguous layout.
 """
 
 from __future__ import annotations
@@ -86,3 +92,90 @@ class ContiguousLayout:
         if len(shards) != self.world_size:
             raise ValueError(f"{len(shards)} shards for {self.world_size} ranks")
         return torch.cat(list(shards), dim=seq_dim)
+
+
+@dataclass(frozen=True)
+class ZigzagLayout:
+    """Zigzag over ``ring_size`` ring ranks, contiguous over ``ulysses_size`` ranks within each."""
+
+    seq_len: int
+    ring_size: int
+    ulysses_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ring_size < 1 or self.ulysses_size < 1:
+            raise ConfigError(f"ring and ulysses degrees must be >= 1, got {self.ring_size} x {self.ulysses_size}")
+        unit = 2 * self.ring_size * self.ulysses_size
+        if self.seq_len <= 0 or self.seq_len % unit:
+            raise ConfigError(
+                f"sequence length {self.seq_len} is not divisible by 2 x ring x ulysses = 2 x {self.ring_size} x "
+                f"{self.ulysses_size} = {unit} (zigzag chunks split evenly over the Ulysses ranks): "
+                f"use a multiple of {unit}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.ring_size * self.ulysses_size
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.world_size
+
+    @property
+    def chunk_len(self) -> int:
+        """Tokens per zigzag chunk, ``S / (2R)``."""
+        return self.seq_len // (2 * self.ring_size)
+
+    def ring_chunks(self, ring_rank: int) -> tuple[int, int]:
+        """The two zigzag chunks ring rank ``ring_rank`` owns, in ring-local order."""
+        return ring_rank, 2 * self.ring_size - 1 - ring_rank
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+
+    def _ring_local_to_global(self, ring_rank: int, index: torch.Tensor | int):
+        first, second = self.ring_chunks(ring_rank)
+        k = self.chunk_len
+        if isinstance(index, int):
+            return first * k + index if index < k else second * k + index - k
+        return torch.where(index < k, first * k + index, second * k + index - k)
+
+    def global_index(self, rank: int, local_index: int) -> int:
+        self._check_rank(rank)
+        if not 0 <= local_index < self.local_len:
+            raise ValueError(f"local index {local_index} outside [0, {self.local_len})")
+        ring_rank, ulysses_rank = divmod(rank, self.ulysses_size)
+        return self._ring_local_to_global(ring_rank, ulysses_rank * self.local_len + local_index)
+
+    def owner(self, token: int) -> tuple[int, int]:
+        """(CP rank, local index) of global token ``token``: the inverse of ``global_index``."""
+        if not 0 <= token < self.seq_len:
+            raise ValueError(f"token {token} outside [0, {self.seq_len})")
+        chunk, offset = divmod(token, self.chunk_len)
+        if chunk < self.ring_size:
+            ring_rank, ring_local = chunk, offset
+        else:
+            ring_rank, ring_local = 2 * self.ring_size - 1 - chunk, self.chunk_len + offset
+        ulysses_rank, local_index = divmod(ring_local, self.local_len)
+        return ring_rank * self.ulysses_size + ulysses_rank, local_index
+
+    def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of ``rank``'s tokens, ``[S/(R*U)]`` int64 (at most two runs)."""
+        self._check_rank(rank)
+        ring_rank, ulysses_rank = divmod(rank, self.ulysses_size)
+        ring_local = torch.arange(ulysses_rank * self.local_len, (ulysses_rank + 1) * self.local_len, device=device)
+        return self._ring_local_to_global(ring_rank, ring_local)
+
+    def shard(self, t: torch.Tensor, rank: int, seq_dim: int) -> torch.Tensor:
+        if t.shape[seq_dim] != self.seq_len:
+            raise ConfigError(f"dim {seq_dim} has {t.shape[seq_dim]} tokens, the layout {self.seq_len}")
+        return t.index_select(seq_dim, self.positions(rank, device=t.device))
+
+    def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
+        """The full sequence from every rank's shard, given in CP rank order."""
+        if len(shards) != self.world_size:
+            raise ValueError(f"{len(shards)} shards for {self.world_size} ranks")
+        in_layout_order = torch.cat(list(shards), dim=seq_dim)
+        order = torch.cat([self.positions(r, device=in_layout_order.device) for r in range(self.world_size)])
+        return in_layout_order.index_select(seq_dim, torch.argsort(order))

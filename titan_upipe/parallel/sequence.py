@@ -1,4 +1,8 @@
-"""Shard a batch's sequence over a context-parallel mesh and gather it back."""
+"""Shard a batch's sequence over a context-parallel mesh and gather it back.
+
+The layout follows from the mesh (``titan_upipe.parallel.mesh``): contiguous on a 1-D CP
+mesh, zigzag on a 1-D "ring" mesh or a 2-D ``(ring, ulysses)`` mesh.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +10,46 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_upipe.config import ConfigError
-from titan_upipe.parallel.layout import ContiguousLayout, SequenceLayout
-
-
-def _check_mesh(cp_mesh: DeviceMesh) -> None:
-    if cp_mesh.ndim != 1:
-        raise ConfigError(f"cp_mesh must be 1-D for the contiguous layout, got {cp_mesh.ndim}-D")
+from titan_upipe.parallel.layout import ContiguousLayout, SequenceLayout, ZigzagLayout
+from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 
 
 def layout_for(cp_mesh: DeviceMesh, seq_len: int) -> SequenceLayout:
-    """The layout ulysses/upipe expect on this mesh (contiguous shards, 1-D meshes)."""
-    _check_mesh(cp_mesh)
-    return ContiguousLayout(seq_len, cp_mesh.size())
+    """The layout the attention on this mesh expects."""
+    ring, ulysses = mesh_degrees(cp_mesh)
+    if cp_mesh.ndim == 1 and not is_ring_mesh(cp_mesh):
+        return ContiguousLayout(seq_len, ulysses)
+    return ZigzagLayout(seq_len, ring, ulysses)
 
 
 def shard_sequence(t: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of ``t`` along ``seq_dim`` (a contiguous copy) and the global
     positions of its tokens (``[S/C]`` int64 on ``t``'s device)."""
     layout = layout_for(cp_mesh, t.shape[seq_dim])
-    rank = cp_mesh.get_local_rank()
+    rank = layout_rank(cp_mesh)
     return layout.shard(t, rank, seq_dim).contiguous(), layout.positions(rank, device=t.device)
+
+
+def _all_gather(local: torch.Tensor, group, size: int, seq_dim: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [local]
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local, group=group)
+    return shards
 
 
 def gather_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
     """Exact inverse of ``shard_sequence`` (all-gather; not differentiable)."""
-    _check_mesh(cp_mesh)
-    world = cp_mesh.size()
+    ring, ulysses = mesh_degrees(cp_mesh)
     local = local.detach().contiguous()
-    layout = layout_for(cp_mesh, local.shape[seq_dim] * world)
-    if world == 1:
+    layout = layout_for(cp_mesh, local.shape[seq_dim] * ring * ulysses)
+    if ring * ulysses == 1:
         return local.clone()
-    shards = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(shards, local, group=cp_mesh.get_group())
+    # Gather within the Ulysses group (its pieces, in order, are one ring rank's ring-local
+    # sequence), then across the ring: the shards arrive in CP rank order r*U + u.
+    uly_group, _, _ = ulysses_part(cp_mesh)
+    ring_group, _, _ = ring_part(cp_mesh)
+    ring_local = torch.cat(_all_gather(local, uly_group, ulysses, seq_dim), dim=seq_dim)
+    per_ring = _all_gather(ring_local, ring_group, ring, seq_dim)
+    shards = [piece for block in per_ring for piece in block.chunk(ulysses, dim=seq_dim)]
     return layout.unshard(shards, seq_dim)

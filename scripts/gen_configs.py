@@ -1,0 +1,242 @@
+"""Generate every TOML under ``configs/`` from one table of recipes.
+
+    python scripts/gen_configs.py            # (re)write configs/
+    python scripts/gen_configs.py --check    # exit 1 if a committed file differs (tests run this)
+
+One place holds the settings all runs share (the paper's setup for GPU recipes: FSDP over all
+ranks, bf16, batch 1, full activation checkpointing offloaded to host memory, tiled MLP and
+RMSNorm, fused RoPE, fused cross-entropy), and each recipe adds what is its own: model, method,
+length, GPU count. Edit this file, not the TOMLs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+K, M = 1024, 1024 * 1024
+LENGTH_NAMES = {128 * K: "128k", 256 * K: "256k", 512 * K: "512k", M: "1m", 2 * M: "2m", 3 * M: "3m",
+                4 * M: "4m", 5 * M: "5m", 6 * M: "6m", 8 * M: "8m"}
+
+MEMORY_TRANSFORMS = ["tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce"]
+
+# Method -> (attention converter, Ulysses degree as a function of the CP degree and GPUs per node).
+METHODS = {
+    "ulysses": "ulysses",
+    "upipe": "upipe",
+    "ring": "ring",
+    "usp": "usp",
+    "upipe_usp": "upipe",  # UPipe on a 2-D (ring x ulysses) mesh
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    spec: str
+    flavor: str
+    hf_assets: str
+    description: str
+
+
+LLAMA3_8B = Model("upipe_llama3", "8B", "./assets/hf/Llama-3.1-8B", "Llama3-8B")
+QWEN3_32B = Model("upipe_qwen3", "32B", "./assets/hf/Qwen3-32B", "Qwen3-32B")
+LLAMA3_DEBUG = Model("upipe_llama3", "debug", "", "llama3 debug")
+QWEN3_DEBUG = Model("upipe_qwen3", "debug", "", "qwen3 debug")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: str
+    model: Model
+    method: str | None  # None: FSDP only
+    seq_len: int
+    ranks: int
+    ulysses_degree: int = 0
+    gpu: bool = True
+    launch: str = ""
+    extra_converters: tuple[str, ...] = ()
+    offload: bool = False
+    description: str = ""
+    steps: int = 0
+    overrides: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    @property
+    def cp_degree(self) -> int:
+        return self.ranks if self.method else 1
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
+    """The TOML sections of one recipe, in file order."""
+    name = Path(recipe.path).relative_to("configs").with_suffix("").as_posix().replace("/", "_")
+    converters = ([METHODS[recipe.method]] if recipe.method else []) + list(recipe.extra_converters)
+    job = {"dump_folder": f"./outputs/{name}", "description": recipe.description,
+           "custom_config_module": "titan_upipe.config"}
+    model: dict[str, object] = {"name": recipe.model.spec, "flavor": recipe.model.flavor, "converters": converters}
+    if recipe.model.hf_assets:
+        model["hf_assets_path"] = recipe.model.hf_assets
+    training: dict[str, object] = {
+        "dataset": "c4" if recipe.gpu else "synthetic_copy",
+        "local_batch_size": 1 if recipe.gpu else 2,
+        "seq_len": recipe.seq_len,
+        "steps": recipe.steps or (20 if recipe.gpu else 30),
+        "max_norm": 1.0,
+        "mixed_precision_param": "bfloat16" if recipe.gpu else "float32",
+        "mixed_precision_reduce": "float32",
+    }
+    parallelism: dict[str, object] = {"data_parallel_shard_degree": -1, "context_parallel_degree": recipe.cp_degree}
+    result: dict[str, dict[str, object]] = {
+        "job": job,
+        "experimental": {"custom_import": "titan_upipe"},
+        "model": model,
+        "metrics": {"log_freq": 1, "enable_tensorboard": True, "save_tb_folder": "tb"},
+        "optimizer": {"name": "AdamW", "lr": 2e-5 if recipe.gpu else 3e-3, "implementation": "foreach"},
+        "lr_scheduler": {"warmup_steps": 5},
+        "training": training,
+        "parallelism": parallelism,
+    }
+    if recipe.method:
+        # SDPA runs everywhere (flash kernels on H100 in bf16); flash-attn is optional.
+        upipe: dict[str, object] = {"attention_backend": "sdpa"}
+        if recipe.method in ("upipe", "upipe_usp"):
+            upipe["heads_per_stage"] = 0
+        if recipe.ulysses_degree:
+            upipe["ulysses_degree"] = recipe.ulysses_degree
+        result["upipe"] = upipe
+    if any(t in converters for t in ("tiled_mlp", "tiled_rmsnorm", "fused_ce")):
+        result["transforms"] = {"mlp_tile_tokens": 0, "rmsnorm_tile_tokens": 0, "ce_chunk_tokens": 0,
+                                "ce_backend": "auto"}
+    checkpointing: dict[str, object] = {"mode": "full" if recipe.offload else "none"}
+    if recipe.offload:
+        checkpointing.update(cpu_offload=True, pin_memory=recipe.gpu)
+    result["activation_checkpoint"] = checkpointing
+    if recipe.gpu:
+        # Steps at millions of tokens take minutes; TorchTitan's default 100 s collective
+        # timeout would kill a healthy job.
+        result["comm"] = {"init_timeout_seconds": 1800, "train_timeout_seconds": 3600}
+    result["debug"] = {"seed": 42}
+    for section, values in recipe.overrides.items():
+        result.setdefault(section, {}).update(values)
+    return result
+
+
+def render(recipe: Recipe) -> str:
+    lines = [f"# {recipe.description}", f"# {recipe.launch}",
+             "# Generated by scripts/gen_configs.py: edit that file, then run it, not this one."]
+    for section, values in sections(recipe).items():
+        lines.append("")
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+    return "\n".join(lines) + "\n"
+
+
+def _gpu_launch(ranks: int, path: str) -> str:
+    if ranks <= 8:
+        return f"Launch: NGPU={ranks} CONFIG={path} scripts/run_train.sh"
+    return f"Launch: CONFIG={path} sbatch --nodes={ranks // 8} scripts/slurm/train.sbatch"
+
+
+def gpu_recipes() -> list[Recipe]:
+    recipes = []
+    paper = dict(extra_converters=tuple(MEMORY_TRANSFORMS), offload=True)
+
+    def add(model: Model, folder: str, method: str, seq: int, ranks: int, ulysses: int = 0) -> None:
+        path = f"configs/{folder}/{method}_{LENGTH_NAMES[seq]}.toml"
+        layout = f"ulysses {ulysses} x ring {ranks // ulysses}" if ulysses else f"CP {ranks}"
+        description = (f"{model.description}, {method} ({layout}), {LENGTH_NAMES[seq].upper()} tokens on {ranks} GPUs; "
+                       "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE")
+        recipes.append(Recipe(path, model, method, seq, ranks, ulysses_degree=ulysses, launch=_gpu_launch(ranks, path),
+                              description=description, **paper))
+
+    for method in ("ulysses", "upipe", "ring"):
+        for seq in (128 * K, 256 * K, 512 * K, M, 2 * M, 3 * M, 4 * M, 5 * M):
+            add(LLAMA3_8B, "llama3_8b", method, seq, 8, ulysses=1 if method == "ring" else 0)
+    for method in ("usp", "upipe_usp"):
+        for seq in (512 * K, M, 2 * M, 4 * M, 6 * M, 8 * M):
+            add(LLAMA3_8B, "llama3_8b", method, seq, 16, ulysses=8)
+        for seq in (128 * K, 256 * K, 512 * K, M, 2 * M, 3 * M, 4 * M):
+            add(QWEN3_32B, "qwen3_32b", method, seq, 16, ulysses=8)
+    return recipes
+
+
+def debug_recipes() -> list[Recipe]:
+    """CPU (gloo) configs: ``make run``, the tests and the parity check use them."""
+
+    def launch(path: str, ranks: int) -> str:
+        return f"CPU: torchrun --nproc_per_node {ranks} -m titan_upipe.train --job.config_file {path}"
+
+    def debug(path, model, method, ranks, description, ulysses=0, **kwargs) -> Recipe:
+        return Recipe(path, model, method, 512, ranks, ulysses_degree=ulysses, gpu=False,
+                      launch=launch(path, ranks), description=description, **kwargs)
+
+    four_rank = [
+        debug("configs/debug/ulysses.toml", LLAMA3_DEBUG, "ulysses", 4, "llama3 debug, Ulysses CP=4 (C > KV heads)"),
+        debug("configs/debug/upipe.toml", LLAMA3_DEBUG, "upipe", 4, "llama3 debug, UPipe CP=4, U = C = 4"),
+        debug("configs/debug/ring.toml", LLAMA3_DEBUG, "ring", 4, "llama3 debug, zigzag ring attention CP=4",
+              ulysses=1),
+        debug("configs/debug/usp.toml", LLAMA3_DEBUG, "usp", 4, "llama3 debug, USP ulysses 2 x ring 2", ulysses=2),
+        debug("configs/debug/upipe_usp.toml", LLAMA3_DEBUG, "upipe_usp", 4,
+              "llama3 debug, UPipe inside USP: ulysses 2 x ring 2, U = 2", ulysses=2),
+    ]
+    return four_rank + [
+        debug("configs/debug/llama3_fsdp.toml", LLAMA3_DEBUG, None, 2, "llama3 debug, FSDP over 2 ranks"),
+        debug("configs/debug/qwen3_fsdp.toml", QWEN3_DEBUG, None, 2, "qwen3 debug (qk-norm), FSDP over 2 ranks"),
+        debug("configs/debug/llama3_upipe.toml", LLAMA3_DEBUG, "upipe", 2,
+              "llama3 debug, UPipe CP=2 + FSDP (the `make run` default)"),
+        debug("configs/debug/llama3_ulysses.toml", LLAMA3_DEBUG, "ulysses", 2, "llama3 debug, Ulysses CP=2 + FSDP"),
+        debug("configs/debug/qwen3_upipe.toml", QWEN3_DEBUG, "upipe", 2, "qwen3 debug (qk-norm), UPipe CP=2"),
+        debug("configs/debug/llama3_ring.toml", LLAMA3_DEBUG, "ring", 4, "llama3 debug, zigzag ring CP=4", ulysses=1),
+        debug("configs/debug/llama3_usp.toml", LLAMA3_DEBUG, "usp", 4, "llama3 debug, USP ulysses 2 x ring 2",
+              ulysses=2),
+        debug("configs/debug/llama3_upipe_usp.toml", LLAMA3_DEBUG, "upipe_usp", 4,
+              "llama3 debug, UPipe inside USP (ulysses 2 x ring 2)", ulysses=2),
+        debug("configs/debug/llama3_upipe_transforms.toml", LLAMA3_DEBUG, "upipe", 2,
+              "llama3 debug, UPipe CP=2 + all memory transforms + offloaded full AC",
+              extra_converters=tuple(MEMORY_TRANSFORMS), offload=True),
+    ]
+
+
+def all_recipes() -> list[Recipe]:
+    return debug_recipes() + gpu_recipes()
+
+
+def intended_world_size(recipe: Recipe) -> int:
+    return recipe.ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the committed files; write nothing")
+    args = parser.parse_args(argv)
+    stale = []
+    for recipe in all_recipes():
+        target = REPO / recipe.path
+        text = render(recipe)
+        if args.check:
+            if not target.exists() or target.read_text() != text:
+                stale.append(recipe.path)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    if stale:
+        print("out of date (run python scripts/gen_configs.py):\n  " + "\n  ".join(stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Causal attention FLOPs and the TensorBoard dashboard of a real training run."""
+
+from __future__ import annotations
+
+import glob
+import math
+from types import SimpleNamespace
+
+import pytest
+from trainer_utils import read_scalars, torchrun
+
+from titan_upipe.metrics import (
+    CUSTOM_SCALARS_LAYOUT,
+    LongContextMetricsProcessor,
+    causal_attention_flops_per_token,
+    torchtitan_attention_flops_per_token,
+)
+
+
+def _counted_causal_attention_flops(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Brute force: for every query, the unmasked keys times the multiply-adds of QK^T and PV,
+    forward (1x) and backward (2x: dQ, dK from dS and dP, dV from P)."""
+    total = 0
+    for query in range(seq_len):
+        visible_keys = query + 1  # causal: keys 0..query
+        forward = 2 * 2 * head_dim * visible_keys  # QK^T and PV, one mul + one add each
+        total += 3 * forward
+    return n_layers * n_heads * total // seq_len
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 8, 16, 7), (32, 32, 128, 64), (4, 64, 128, 1000)])
+def test_causal_flops_match_a_brute_force_count(shape):
+    assert causal_attention_flops_per_token(*shape) == _counted_causal_attention_flops(*shape)
+
+
+def test_torchtitan_overstates_causal_attention_about_twice():
+    shape = (32, 32, 128, 1 << 20)  # Llama3-8B at 1M tokens
+    ratio = torchtitan_attention_flops_per_token(*shape) / causal_attention_flops_per_token(*shape)
+    assert math.isclose(ratio, 2.0, rel_tol=1e-5)
+    # Short sequences: the (S + 1) / 2 average, not S / 2.
+    assert causal_attention_flops_per_token(1, 1, 1, 1) == 6 * 2
+    assert torchtitan_attention_flops_per_token(1, 1, 1, 1) == 12
+
+
+def test_processor_replaces_torchtitan_attention_term():
+    """The trainer assigns TorchTitan's estimate; the processor keeps its parameter term and
+    swaps the attention term for the causal one."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    args = get_train_spec("upipe_llama3").model_args["8B"]
+    seq = 1 << 20
+    job = SimpleNamespace(training=SimpleNamespace(seq_len=seq))
+    proc = LongContextMetricsProcessor.__new__(LongContextMetricsProcessor)
+    LongContextMetricsProcessor._set_flops_model(proc, job, args)
+    shape = (args.n_layers, args.n_heads, args.dim // args.n_heads, seq)
+    params_term = 6 * 7_000_000_000
+    proc.num_flops_per_token = params_term + torchtitan_attention_flops_per_token(*shape)
+    assert proc.num_flops_per_token == params_term + 6 * 32 * 32 * 128 * (seq + 1)
+    proc.num_flops_per_token = -1  # TorchTitan's "not set yet" marker stays as is
+    assert proc.num_flops_per_token == -1
+
+
+def _custom_scalars_layouts(run_dir: str) -> list[bytes]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    layouts = []
+    for path in glob.glob(f"{run_dir}/events.out.tfevents.*"):
+        for event in EventFileLoader(path).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "custom_scalars":
+                    layouts.append(value.tensor.string_val[0])
+    return layouts
+
+
+def test_dashboard_tags_of_a_upipe_run(tmp_path):
+    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", tmp_path, "--training.steps", "3")
+    scalars = read_scalars(tmp_path)
+    final = {tag: values[-1][1] for tag, values in scalars.items()}
+    expected = {tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags}
+    assert expected <= set(final), sorted(expected - set(final))
+    assert [step for step, _ in scalars["throughput/step_time_s"]] == [1, 2, 3]
+    assert final["throughput/tokens_per_s_per_gpu"] > 0 and final["throughput/step_time_s"] > 0
+    # tokens/s/GPU x step time = the tokens one rank processes per step: batch 2 x 512 / CP 2.
+    tokens = final["throughput/tokens_per_s_per_gpu"] * final["throughput/step_time_s"]
+    assert math.isclose(tokens, 2 * 512 / 2, rel_tol=1e-6)
+    assert 0 < final["throughput/mfu_pct"] < 100
+    # TorchTitan's own tflops tag uses the corrected (causal) FLOPs too.
+    assert math.isclose(final["tflops"], final["throughput/tflops_per_gpu"], rel_tol=0.2)
+    assert 0.05 < final["memory/peak_allocated_gib"] < 16  # CPU: the rank's resident set
+    assert final["memory/peak_reserved_gib"] >= final["memory/peak_allocated_gib"] * 0.99
+    assert final["memory/alloc_retries"] == 0
+    assert final["memory/offload_host_gib"] == 0  # no offload in this config
+    assert math.isclose(final["loss/global_avg"], final["loss_metrics/global_avg_loss"])
+    runs = sorted(glob.glob(str(tmp_path / "tb" / "*")))
+    layouts = _custom_scalars_layouts(runs[-1])
+    assert len(layouts) == 1
+    assert all(name.encode() in layouts[0] for name in ("Loss", "Throughput", "Memory"))

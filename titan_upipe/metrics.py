@@ -1,0 +1,145 @@
+"""Training metrics for long-context runs: causal attention FLOPs, grouped TensorBoard tags.
+
+TorchTitan 0.2.2 counts attention as if every query saw all ``S`` keys
+(``6 · L · H · 2D · S`` per token). Under the causal mask query ``i`` sees ``i + 1`` keys,
+``(S + 1) / 2`` on average, so the true forward+backward matmul cost is
+
+    attention FLOPs / token = 3 (fwd + 2 bwd) · 2 matmuls · 2 (mul+add) · L · H · D · (S + 1) / 2
+                            = 6 · L · H · D · (S + 1)
+
+about half TorchTitan's figure; at 1M+ tokens attention dominates, so TorchTitan's MFU
+would be ~2× too high. :class:`LongContextMetricsProcessor` replaces the attention term
+(the parameter term ``6 · N`` is unchanged) and adds, per logged step, the tags below; a
+custom-scalars layout makes TensorBoard open them grouped as Loss, Throughput, Memory.
+
+============================== ==============================================
+tag                            meaning
+============================== ==============================================
+loss/global_avg                mean loss over all non-ignored tokens
+throughput/tokens_per_s_per_gpu tokens per second per device (CP ranks share a sequence)
+throughput/step_time_s         wall time per step
+throughput/tflops_per_gpu      achieved TFLOP/s per device, causal FLOPs
+throughput/mfu_pct             model FLOPs utilisation (causal FLOPs / peak)
+memory/peak_allocated_gib      peak allocated bytes on the device (GiB)
+memory/peak_reserved_gib       peak reserved bytes (caching allocator) (GiB)
+memory/alloc_retries           cudaMalloc retries (allocator under pressure)
+memory/offload_host_gib        peak host memory held by offloaded checkpoints
+============================== ==============================================
+
+On CPU (``titan_upipe.cpu_runtime``) the device statistics are the process's resident set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
+
+from titan_upipe.transforms.offload import OFFLOAD_STATS
+
+GIB = 1024**3
+
+CUSTOM_SCALARS_LAYOUT = {
+    "Loss": {
+        "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss"]),
+        "grad norm": ("Multiline", ["grad_norm"]),
+    },
+    "Throughput": {
+        "tokens/s per GPU": ("Multiline", ["throughput/tokens_per_s_per_gpu"]),
+        "step time (s)": ("Multiline", ["throughput/step_time_s"]),
+        "TFLOP/s per GPU (causal)": ("Multiline", ["throughput/tflops_per_gpu"]),
+        "MFU % (causal)": ("Multiline", ["throughput/mfu_pct"]),
+    },
+    "Memory": {
+        "peak GiB": ("Multiline", ["memory/peak_allocated_gib", "memory/peak_reserved_gib"]),
+        "allocator retries": ("Multiline", ["memory/alloc_retries"]),
+        "offload host GiB": ("Multiline", ["memory/offload_host_gib"]),
+    },
+}
+
+
+def causal_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Forward + backward matmul FLOPs of causal self-attention, averaged over the tokens."""
+    return 6 * n_layers * n_heads * head_dim * (seq_len + 1)
+
+
+def torchtitan_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """TorchTitan 0.2.2's attention term (every query sees every key; head_dims = qk + v)."""
+    return 6 * n_layers * n_heads * (2 * head_dim) * seq_len
+
+
+def model_head_dim(model_args: Any) -> int:
+    return getattr(model_args, "head_dim", None) or model_args.dim // model_args.n_heads
+
+
+class LongContextMetricsProcessor(MetricsProcessor):
+    """TorchTitan's metrics with causal attention FLOPs and the grouped tags above."""
+
+    def __init__(self, job_config, parallel_dims, model_args=None, tag: str | None = None) -> None:
+        self._set_flops_model(job_config, model_args)
+        super().__init__(job_config, parallel_dims, tag)
+        self._write_custom_scalars_layout()
+
+    def _set_flops_model(self, job_config, model_args) -> None:
+        self._flops_per_token = -1
+        self._attention_overcount = 0
+        if model_args is not None:
+            shape = (model_args.n_layers, model_args.n_heads, model_head_dim(model_args), job_config.training.seq_len)
+            self._attention_overcount = (torchtitan_attention_flops_per_token(*shape)
+                                         - causal_attention_flops_per_token(*shape))
+
+    # TorchTitan's trainer assigns its own estimate right after building this processor;
+    # the setter swaps its attention term for the causal one, so TorchTitan's own
+    # `tflops`/`mfu(%)` tags and console line are corrected too.
+    @property
+    def num_flops_per_token(self) -> int:
+        return self._flops_per_token
+
+    @num_flops_per_token.setter
+    def num_flops_per_token(self, value: int) -> None:
+        self._flops_per_token = value if value <= 0 else value - self._attention_overcount
+
+    def _write_custom_scalars_layout(self) -> None:
+        # TorchTitan wraps its loggers in a LoggerContainer; ranks that do not log hold none.
+        loggers = getattr(self.logger, "_loggers", [self.logger])
+        for tb_logger in loggers:
+            if isinstance(tb_logger, TensorBoardLogger):
+                tb_logger.writer.add_custom_scalars(CUSTOM_SCALARS_LAYOUT)
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        extra = dict(extra_metrics or {})
+        extra.update(self.long_context_metrics(global_avg_loss))
+        OFFLOAD_STATS.peak_host_bytes = OFFLOAD_STATS.host_bytes  # a new window starts after this log
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+    def long_context_metrics(self, global_avg_loss: float) -> dict[str, float]:
+        """The grouped tags, from the same counters TorchTitan's own ``log`` reads next."""
+        import time
+
+        time_delta = time.perf_counter() - self.time_last_log
+        steps = self.job_config.metrics.log_freq
+        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
+        device_stats = self._device_memory_stats()
+        flops = self.num_flops_per_token * tps
+        return {
+            "loss/global_avg": global_avg_loss,
+            "throughput/tokens_per_s_per_gpu": tps,
+            "throughput/step_time_s": time_delta / steps,
+            "throughput/tflops_per_gpu": flops / 1e12,
+            "throughput/mfu_pct": 100 * flops / self.gpu_peak_flops,
+            "memory/peak_allocated_gib": device_stats.get("allocated_bytes.all.peak", -1) / GIB,
+            "memory/peak_reserved_gib": device_stats.get("reserved_bytes.all.peak", -1) / GIB,
+            "memory/alloc_retries": device_stats.get("num_alloc_retries", -1),
+            "memory/offload_host_gib": OFFLOAD_STATS.peak_host_bytes / GIB,
+        }
+
+    def _device_memory_stats(self) -> dict[str, int]:
+        from torchtitan.tools.utils import device_module
+
+        return device_module.memory_stats(self.device_memory_monitor.device)
+
+
+def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None):
+    """``TrainSpec.build_metrics_processor_fn``."""
+    return LongContextMetricsProcessor(job_config, parallel_dims, model_args, tag)

@@ -1,0 +1,26 @@
+"""Sequence tiles shared by the tiled transforms."""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def tile_bounds(n_tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each tile. The count depends only on the shape, which is the same on
+    every rank (contiguous CP shards of one global length, equal local batches), so every rank
+    runs the same number of tiles. Inside a tile no collective runs: FSDP unshards a block's
+    parameters once around the block's forward and once around its backward."""
+    if tile_tokens <= 0:
+        raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+    return [(start, min(start + tile_tokens, n_tokens)) for start in range(0, n_tokens, tile_tokens)]
+
+
+def accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator: in place when the operands are fp32, else the
+    low-precision product (fp32-accumulated inside the GEMM) is added in fp32."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))
