@@ -43,8 +43,14 @@ def test_parity_check_passes(config, nproc):
 def test_parity_check_bf16_reports_nonzero_errors_within_tolerance():
     proc = _run_check("configs/debug/qwen3_upipe.toml", 2, "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    logits_line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("logits"))
-    assert float(logits_line.split()[1]) > 0  # bf16 rounding is visible: the comparison is live
+    lines = proc.stdout.splitlines()
+    # Without fused_rope the converted attention keeps TorchTitan's op order: the forward is
+    # bit-exact even in bf16. Its backward sums stages in fp32 where autograd rounds to bf16,
+    # so the gradients differ: bf16 rounding is visible there, the comparison is live.
+    logits_line = next(line for line in lines if line.strip().startswith("logits"))
+    assert float(logits_line.split()[1]) == 0
+    worst = next(line for line in lines if line.strip().startswith("gradients:"))
+    assert 0 < float(worst.split()[-1]) <= 3e-2, worst
 
 
 def test_parity_check_rejects_wrong_world_size():
