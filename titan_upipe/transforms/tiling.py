@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+# One fp32-accumulation rule for every stage/tile sum (UPipe stages, MLP tiles).
+from titan_upipe.attention.projection import accumulate_matmul
 
-Tensor = torch.Tensor
+__all__ = ["accumulate_matmul", "tile_bounds"]
 
 
 def tile_bounds(n_tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
@@ -15,12 +16,3 @@ def tile_bounds(n_tokens: int, tile_tokens: int) -> list[tuple[int, int]]:
     if tile_tokens <= 0:
         raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
     return [(start, min(start + tile_tokens, n_tokens)) for start in range(0, n_tokens, tile_tokens)]
-
-
-def accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` into an fp32 accumulator: in place when the operands are fp32, else the
-    low-precision product (fp32-accumulated inside the GEMM) is added in fp32."""
-    if a.dtype == acc.dtype and b.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
