@@ -7,7 +7,7 @@ NPROC ?= 2
 RUN_CONFIG ?= configs/debug/llama3_upipe.toml
 RUN_ARGS ?=
 
-.PHONY: install test run lint clean
+.PHONY: install test run lint clean bench-attention bench-memory
 
 install: $(STAMP)
 
@@ -33,6 +33,16 @@ run: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
 		--job.config_file $(RUN_CONFIG) $(RUN_ARGS)
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir outputs"
+
+# Benchmarks (not tests): results go to docs/benchmarks/ with device, date and command.
+# BENCH_ARGS passes options through, e.g. make bench-memory BENCH_ARGS="--device cuda --seq 65536".
+BENCH_ARGS ?=
+
+bench-attention: $(STAMP)
+	$(BIN)/python scripts/bench_attention.py $(BENCH_ARGS)
+
+bench-memory: $(STAMP)
+	$(BIN)/python scripts/bench_memory.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check titan_upipe tests scripts

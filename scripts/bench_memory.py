@@ -4,8 +4,8 @@ Memory: live tensor bytes created during forward + backward (``LiveTensorTracker
 also ``torch.cuda.max_memory_allocated``), inputs and parameters excluded. Time: median of
 ``--repeats`` forward+backward passes. Writes a markdown table (stdout, and ``--out`` if given).
 
-    python scripts/bench_transforms.py                      # CPU, defaults below
-    python scripts/bench_transforms.py --device cuda --seq 65536 --dim 4096 --vocab 128256
+    python scripts/bench_memory.py                      # CPU, defaults below
+    python scripts/bench_memory.py --device cuda --seq 65536 --dim 4096 --vocab 128256
 """
 
 from __future__ import annotations
