@@ -41,7 +41,9 @@ GIB = 1024**3
 
 CUSTOM_SCALARS_LAYOUT = {
     "Loss": {
-        "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss", "loss_metrics/global_max_loss"]),
+        # Not TorchTitan's global_max_loss: under CP each rank's loss is its share of the
+        # sequence's sum over the global token count, so that "max" is about mean / C.
+        "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss"]),
         "grad norm": ("Multiline", ["grad_norm"]),
     },
     "Throughput": {
