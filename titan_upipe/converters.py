@@ -94,13 +94,3 @@ class USPConverter(_ContextParallelAttentionConverter):
 
 
 CONVERTERS = {"ulysses": UlyssesConverter, "upipe": UPipeConverter, "ring": RingConverter, "usp": USPConverter}
-
-
-def register() -> None:
-    from torchtitan.protocols.model_converter import register_model_converter
-
-    for name, cls in CONVERTERS.items():
-        try:
-            register_model_converter(cls, name)
-        except AssertionError:  # already registered (TorchTitan asserts on duplicates)
-            pass

@@ -5,7 +5,7 @@ Model converters (``[model] converters``): ``tiled_mlp``, ``tiled_rmsnorm``, ``f
 ``[activation_checkpoint] mode = "full"``, ``cpu_offload = true``. See docs/transforms.md.
 """
 
-from titan_upipe.transforms.converters import CONVERTERS, register
+from titan_upipe.transforms.converters import CONVERTERS
 from titan_upipe.transforms.offload import OFFLOAD_STATS, offloaded_host_bytes
 
-__all__ = ["CONVERTERS", "OFFLOAD_STATS", "offloaded_host_bytes", "register"]
+__all__ = ["CONVERTERS", "OFFLOAD_STATS", "offloaded_host_bytes"]

@@ -95,13 +95,3 @@ CONVERTERS = {
     "fused_rope": FusedRoPEConverter,
     "fused_ce": FusedCrossEntropyConverter,
 }
-
-
-def register() -> None:
-    from torchtitan.protocols.model_converter import register_model_converter
-
-    for name, cls in CONVERTERS.items():
-        try:
-            register_model_converter(cls, name)
-        except AssertionError:  # already registered (TorchTitan asserts on duplicates)
-            pass
