@@ -115,6 +115,40 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
 
 
+def reference_results(module, x: torch.Tensor, table, positions, grad_y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Output and gradients (input and every parameter) of the unconverted single-process module;
+    leaves the module's gradients cleared."""
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = module(x_ref, table, None, positions)
+    y_ref.backward(grad_y)
+    ref = {"out": y_ref.detach(), "dx": x_ref.grad}
+    ref.update({f"d{name}": p.grad.clone() for name, p in module.named_parameters()})
+    module.zero_grad(set_to_none=True)
+    return ref
+
+
+def parallel_errors(converted, y: torch.Tensor, x_local: torch.Tensor, gather, group,
+                    ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative errors of the gathered output and input gradient and of the parameter
+    gradients summed over the CP ranks (in fp32, like FSDP's reduce_dtype) against ``ref``."""
+    got = {"out": gather(y), "dx": gather(x_local.grad)}
+    for name, p in converted.named_parameters():
+        grad = p.grad.float()
+        dist.all_reduce(grad, group=group)
+        got[f"d{name}"] = grad
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    return {name: _rel_err(got[name], ref[name]) for name in ref}
+
+
+def _run_cases(rank: int, world: int, mesh, run, cases: list, seed_base: int) -> dict[str, dict[str, float]]:
+    return {case.id: run(case, mesh, seed=seed_base + i) for i, case in enumerate(cases)}
+
+
+def run_cases(world: int, run, cases: list, seed_base: int) -> dict[str, dict[str, float]]:
+    """``run(case, mesh, seed)`` for every case in one ``world``-rank gloo job; rank 0's errors."""
+    return run_distributed(world, _run_cases, run, cases, seed_base, timeout=600)[0]
+
+
 def _sabotage_schedule(schedule):
     """Skip every K/V exchange after the first: later stages attend stale K/V heads."""
     stages = tuple(dataclasses.replace(s, sends_kv=s.index == 0) for s in schedule.stages)
@@ -139,12 +173,7 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
     elif case.positions == "batch":
         positions = torch.arange(case.seq_len).unsqueeze(0) + 3 * torch.arange(1, case.batch + 1).unsqueeze(1)
 
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = module(x_ref, table, None, positions)
-    y_ref.backward(grad_y)
-    ref = {"out": y_ref.detach(), "dx": x_ref.grad}
-    ref.update({f"d{name}": p.grad.clone() for name, p in module.named_parameters()})
-    module.zero_grad(set_to_none=True)
+    ref = reference_results(module, x, table, positions, grad_y)
 
     converted = convert_attention(module, case.mode, mesh, heads_per_stage=case.heads_per_stage,
                                   backend=case.backend)
@@ -163,18 +192,8 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
     y = converted(x_local, table, None, positions=local_positions)
     y.backward(shard_sequence(grad_y, mesh, seq_dim=1)[0])
 
-    got = {"out": gather_sequence(y, mesh, 1), "dx": gather_sequence(x_local.grad, mesh, 1)}
-    for name, p in converted.named_parameters():
-        grad = p.grad.float()  # summed in fp32, like FSDP's reduce_dtype
-        dist.all_reduce(grad, group=mesh.get_group())
-        got[f"d{name}"] = grad
-    assert set(got) == set(ref), (sorted(got), sorted(ref))
     assert all(a is b for a, b in zip(converted.parameters(), module.parameters(), strict=True))
-    return {name: _rel_err(got[name], ref[name]) for name in ref}
-
-
-def _run_world(rank: int, world: int, mesh, cases: list[Case]) -> dict[str, dict[str, float]]:
-    return {case.id: run_case(case, mesh, seed=1000 + i) for i, case in enumerate(cases)}
+    return parallel_errors(converted, y, x_local, lambda t: gather_sequence(t, mesh, 1), mesh.get_group(), ref)
 
 
 _RESULTS: dict[int, dict[str, dict[str, float]]] = {}
@@ -182,7 +201,7 @@ _RESULTS: dict[int, dict[str, dict[str, float]]] = {}
 
 def results_for(world: int) -> dict[str, dict[str, float]]:
     if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(world, _run_world, _cases(world), timeout=600)[0]
+        _RESULTS[world] = run_cases(world, run_case, _cases(world), seed_base=1000)
     return _RESULTS[world]
 
 

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import run_distributed
-from test_attention_parity import build_reference
+from test_attention_parity import build_reference, parallel_errors, reference_results, run_cases
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -84,10 +82,6 @@ CASES = [
 ]
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
-
-
 def _diagonal_as_full(q_chunk: int, kv_chunk: int):
     from titan_upipe.attention.ring_plan import BlockKind
 
@@ -111,12 +105,7 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     if case.positions == "batch":
         positions = torch.arange(case.seq_len).unsqueeze(0) + 3 * torch.arange(1, case.batch + 1).unsqueeze(1)
 
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = module(x_ref, table, None, positions)
-    y_ref.backward(grad_y)
-    ref = {"out": y_ref.detach(), "dx": x_ref.grad}
-    ref.update({f"d{name}": p.grad.clone() for name, p in module.named_parameters()})
-    module.zero_grad(set_to_none=True)
+    ref = reference_results(module, x, table, positions, grad_y)
 
     converted = convert_attention(module, case.mode, mesh, heads_per_stage=case.heads_per_stage, backend=case.backend)
     assert converted.cp_degree == case.world and converted.ring_degree == case.ring
@@ -140,17 +129,7 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     y = converted(x_local, table, None, positions=local_positions)
     y.backward(shard(grad_y)[0])
 
-    got = {"out": gather(y), "dx": gather(x_local.grad)}
-    for name, p in converted.named_parameters():
-        grad = p.grad.float()
-        dist.all_reduce(grad, group=world_mesh.get_group())
-        got[f"d{name}"] = grad
-    assert set(got) == set(ref)
-    return {name: _rel_err(got[name], ref[name]) for name in ref}
-
-
-def _run_world(rank: int, world: int, mesh, cases: list[RingCase]) -> dict[str, dict[str, float]]:
-    return {case.id: run_ring_case(case, mesh, seed=2000 + i) for i, case in enumerate(cases)}
+    return parallel_errors(converted, y, x_local, gather, world_mesh.get_group(), ref)
 
 
 _RESULTS: dict[int, dict[str, dict[str, float]]] = {}
@@ -158,8 +137,7 @@ _RESULTS: dict[int, dict[str, dict[str, float]]] = {}
 
 def results_for(world: int) -> dict[str, dict[str, float]]:
     if world not in _RESULTS:
-        cases = [c for c in CASES if c.world == world]
-        _RESULTS[world] = run_distributed(world, _run_world, cases, timeout=600)[0]
+        _RESULTS[world] = run_cases(world, run_ring_case, [c for c in CASES if c.world == world], seed_base=2000)
     return _RESULTS[world]
 
 
