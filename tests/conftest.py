@@ -5,4 +5,22 @@ import os
 os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
+from trainer_utils import E2E_STEPS, create_seed_checkpoint, load_seed, torchrun  # noqa: E402
+
 import titan_upipe  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def llama3_seed(tmp_path_factory):
+    """One seed checkpoint of the Llama3 debug flavor, shared by every end-to-end test."""
+    return create_seed_checkpoint("configs/debug/llama3_fsdp.toml", tmp_path_factory.mktemp("seed"))
+
+
+@pytest.fixture(scope="session")
+def llama3_one_rank(llama3_seed, tmp_path_factory):
+    """The reference: the plain model on 1 rank, fp32, batch 4, from ``llama3_seed``; its dump folder."""
+    out = tmp_path_factory.mktemp("one_rank")
+    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", E2E_STEPS,
+             "--training.local_batch_size", "4", *load_seed(llama3_seed))
+    return out

@@ -2,6 +2,7 @@
 
 import pytest
 from trainer_utils import (
+    E2E_STEPS,
     assert_losses_close,
     create_seed_checkpoint,
     load_seed,
@@ -10,20 +11,7 @@ from trainer_utils import (
     torchrun,
 )
 
-STEPS = "4"
-
-
-@pytest.fixture(scope="module")
-def llama3_seed(tmp_path_factory):
-    return create_seed_checkpoint("configs/debug/llama3_fsdp.toml", tmp_path_factory.mktemp("seed"))
-
-
-@pytest.fixture(scope="module")
-def llama3_one_rank(llama3_seed, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_rank")
-    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", STEPS,
-             "--training.local_batch_size", "4", *load_seed(llama3_seed))
-    return out
+STEPS = E2E_STEPS
 
 
 def test_fsdp_two_ranks_matches_one_rank(llama3_seed, llama3_one_rank, tmp_path):

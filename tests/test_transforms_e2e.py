@@ -2,36 +2,24 @@
 RoPE, fused CE, offloaded full AC): the loss trajectory equals the plain 1-rank run (fp32)."""
 
 import pytest
-from trainer_utils import assert_losses_close, create_seed_checkpoint, load_seed, losses, torchrun
+from trainer_utils import E2E_STEPS, assert_losses_close, load_seed, losses, torchrun
 
-STEPS = "4"
+STEPS = E2E_STEPS
 CONFIG = "configs/debug/llama3_upipe_transforms.toml"
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory):
-    return create_seed_checkpoint("configs/debug/llama3_fsdp.toml", tmp_path_factory.mktemp("seed"))
-
-
-@pytest.fixture(scope="module")
-def plain_one_rank(seed, tmp_path_factory):
-    out = tmp_path_factory.mktemp("plain")
-    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", STEPS,
-             "--training.local_batch_size", "4", *load_seed(seed))
-    return losses(out)
 
 
 @pytest.mark.parametrize("batch", [("--training.local_batch_size", "4"),
                                    ("--training.local_batch_size", "2", "--training.global_batch_size", "4")],
                          ids=["one-microbatch", "two-accumulation-steps"])
-def test_all_transforms_match_plain_one_rank(seed, plain_one_rank, tmp_path, batch):
+def test_all_transforms_match_plain_one_rank(llama3_seed, llama3_one_rank, tmp_path, batch):
     proc = torchrun(2, "titan_upipe.train", CONFIG, tmp_path, "--training.steps", STEPS, *batch,
                     # small tiles and chunks so every transform really splits the 512/2 local tokens
                     "--transforms.mlp_tile_tokens", "96", "--transforms.rmsnorm_tile_tokens", "100",
-                    "--transforms.ce_chunk_tokens", "200", *load_seed(seed))
+                    "--transforms.ce_chunk_tokens", "200", *load_seed(llama3_seed))
     log = proc.stdout + proc.stderr
     for line in ("tiled_mlp: 2 feed-forwards", "tiled_rmsnorm: 5 norms", "fused_rope:", "fused_ce: torch backend",
                  "block inputs offloaded to host memory"):
         assert line in log, line
-    assert len(plain_one_rank) == int(STEPS)
-    assert_losses_close(losses(tmp_path), plain_one_rank, rtol=1e-5)
+    reference = losses(llama3_one_rank)
+    assert len(reference) == int(STEPS)
+    assert_losses_close(losses(tmp_path), reference, rtol=1e-5)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+E2E_STEPS = "4"
+"""Steps of the end-to-end trainer runs compared with the shared 1-rank reference (conftest)."""
+
 
 def torchrun(nproc: int, module: str, config: str, dump_folder: Path, *overrides: str,
              timeout: int = 600) -> subprocess.CompletedProcess:
