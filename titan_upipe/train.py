@@ -63,6 +63,7 @@ def main(args: list[str] | None = None) -> None:
     config = parse_config(sys.argv[1:] if args is None else args)
     check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
+    completed = False
     try:
         trainer = ContextParallelTrainer(config)
         if config.checkpoint.create_seed_checkpoint:
@@ -72,10 +73,16 @@ def main(args: list[str] | None = None) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+        completed = True
     finally:
         if trainer is not None:
             trainer.close()
         if torch.distributed.is_initialized():
+            if completed:
+                # Tear down together (TorchTitan's rank 0 sleeps after the last step while the
+                # others go on): a gloo rank that destroyed its groups early aborted at exit
+                # under load. Only after success: a failed rank's peers may never arrive.
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
