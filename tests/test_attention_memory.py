@@ -3,7 +3,7 @@
 Head layouts: Qwen3-32B (64 query heads, 8 KV heads, head_dim 128) and the same with MHA
 (64/64), model dim 256, sequence 512 (64 tokens per rank). Weights are frozen so the
 numbers are activations only (weight gradients do not depend on the sequence). Every
-rank measures with ``LiveTensorTracker``; ranks must agree byte for byte.
+rank measures with ``LiveTensorTracker``; UPipe ranks must agree byte for byte (Ulysses: see ``measured``).
 
 What is asserted (numbers in docs/benchmarks/attention_memory_cpu.md):
 
@@ -91,9 +91,17 @@ _RESULTS: list = []
 def measured() -> dict[tuple[str, str, int | None], dict[str, int]]:
     if not _RESULTS:
         per_rank = run_distributed(C, measure_layer, timeout=600)
-        differing = {k: [r[k] for r in per_rank] for k in per_rank[0] if any(r[k] != per_rank[0][k] for r in per_rank)}
+        # UPipe frees nothing a collective touched mid-call, so its ranks agree byte for byte.
+        # Ulysses frees its all-to-all send copies as it goes, and gloo's worker thread may hold
+        # one a moment longer on a loaded machine: its baseline is the minimum over ranks (the
+        # release-in-time peak), which only makes the UPipe/Ulysses ratio harder to meet.
+        differing = {k: [r[k] for r in per_rank] for k in per_rank[0]
+                     if k[1] != "ulysses" and any(r[k] != per_rank[0][k] for r in per_rank)}
         assert not differing, f"ranks measured different peaks: {differing}"
-        _RESULTS.append(per_rank[0])
+        result = dict(per_rank[0])
+        for key in (k for k in result if k[1] == "ulysses"):
+            result[key] = {"forward_no_grad": min(r[key]["forward_no_grad"] for r in per_rank)}
+        _RESULTS.append(result)
     return _RESULTS[0]
 
 
