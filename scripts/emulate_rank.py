@@ -1,0 +1,269 @@
+"""Rank emulator: one rank of an N-rank context-parallel job in a single process.
+
+    python scripts/emulate_rank.py --job.config_file X.toml --cp-world N [--n-layers K] [--seq-len S]
+        [--full-layers L] [--a2a-gbps B] [--p2p-gbps B] [--steps K] [--rank R] [--json] [--section.key value ...]
+
+Builds the configured model for one rank (TorchTitan's train spec, converters, AC, FSDP,
+optimizer, loss) and runs a training step with real kernels and transforms on torch's fake
+process-group backend: collectives return at once with correctly shaped, uninitialised
+outputs, so no peers are needed (numerics are garbage, memory and time are real).
+Reports peak allocated/reserved memory, the state (params, grads, optimizer), activations,
+offloaded host bytes, and the step time split into attention, other compute and
+communication modeled from the all-to-all bytes and ``--a2a-gbps``. With ``--n-layers K``
+only K blocks are built and the flavor's full depth is extrapolated (use K >= 2).
+See ``titan_upipe.emulate`` for the exact definitions.
+
+Launched under torchrun (``WORLD_SIZE`` > 1) it measures the real job instead (gloo on CPU,
+nccl on GPU), one rank per process, and rank 0 prints the same report: that is how the
+emulator is validated against a real run.
+
+TorchTitan overrides (``--training.seq_len 4096``, ``--upipe.heads_per_stage 8`` ...)
+pass through. CUDA is used when available (as ``titan_upipe.check`` does), else the CPU;
+``PYTORCH_CUDA_ALLOC_CONF`` defaults to ``expandable_segments:True`` as in ``scripts/run_train.sh``.
+``--summarize A.json B.json ...`` tabulates ``--json`` outputs next to the paper's Llama3-8B
+Table 4 (peak memory) and Table 5 (step time) from ``../shared/anchors/paper_tables.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+# As scripts/run_train.sh launches training (read when CUDA first allocates).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import titan_upipe  # noqa: E402,F401  (registers the plugin, picks the device)
+
+PAPER_CSV = Path(__file__).resolve().parents[1].parent / "shared" / "anchors" / "paper_tables.csv"
+
+
+def _parse(argv: list[str]):
+    from titan_upipe.emulate import DEFAULT_A2A_GBPS
+
+    parser = argparse.ArgumentParser(prog="scripts/emulate_rank.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--cp-world", type=int, default=None,
+                        help="ranks of the emulated job (world size; FSDP shards over all of them)")
+    parser.add_argument("--n-layers", type=int, default=None,
+                        help="build this many transformer blocks (default: the flavor's); the report "
+                             "extrapolates to the flavor's depth")
+    parser.add_argument("--full-layers", type=int, default=None,
+                        help="the depth the report extrapolates to (default: the flavor's)")
+    parser.add_argument("--seq-len", type=int, default=None, help="global sequence length (training.seq_len)")
+    parser.add_argument("--a2a-gbps", type=float, default=DEFAULT_A2A_GBPS,
+                        help=f"all-to-all bandwidth per rank and direction, GB/s (default {DEFAULT_A2A_GBPS:g})")
+    parser.add_argument("--p2p-gbps", type=float, default=None,
+                        help="ring point-to-point bandwidth, GB/s (default: --a2a-gbps)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps; the last is reported (default 1)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to emulate (default 0)")
+    parser.add_argument("--no-attention-timing", action="store_true",
+                        help="do not time the attention modules (no per-module CUDA synchronisation)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON", default=None,
+                        help="instead of measuring: tabulate --json outputs (one per file) next to the paper's "
+                             "Llama3-8B Table 4 (peak memory) and Table 5 (step time)")
+    parser.add_argument("--paper-csv", default=str(PAPER_CSV), help=f"the paper's tables (default {PAPER_CSV})")
+    return parser.parse_known_args(argv)
+
+
+def _gib(n: float | None) -> str:
+    """A byte count in GiB, or MiB below 1 GiB, 13 characters wide."""
+    if n is None:
+        return f"{'n/a':>13}"
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:9.3f} GiB"
+    return f"{n / 2**20:9.3f} MiB"
+
+
+def report_lines(m) -> list[str]:
+    """The human-readable report of a ``StepMeasurement``."""
+    full = m.full
+    how = "emulated (fake process group)" if m.fake else "measured (real process group)"
+    u = f", U = {m.heads_per_stage}" if m.heads_per_stage else ""
+    lines = [
+        f"{m.config}: {m.model}/{m.flavor}, rank {m.rank} of {m.world_size} {how} on {m.device}",
+        f"  layout       {m.cp_mode or 'no CP'}: CP {m.cp_degree} (ulysses {m.ulysses_degree} x ring "
+        f"{m.ring_degree}{u}), FSDP over {m.dp_shard * m.cp_degree} ranks, seq_len {m.seq_len} x batch {m.batch} "
+        f"({m.local_tokens} tokens on this rank), {m.param_dtype}, AC {m.activation_checkpoint}",
+        f"  layers       {m.n_layers} measured, {m.n_layers_full} in the full model; step {m.steps} of {m.steps}",
+        "",
+        f"  memory (per rank)               {'measured':>13}   {'full model':>13}",
+        f"  peak allocated                  {_gib(m.device_peak_allocated_bytes)}   "
+        f"{_gib(full.device_peak_allocated_bytes)}   (CUDA allocator)",
+        f"  peak reserved                   {_gib(m.device_peak_reserved_bytes)}   "
+        f"{_gib(full.device_peak_reserved_bytes)}",
+        f"  tracked peak (baseline + step)  {_gib(m.total_peak_bytes)}   {_gib(full.total_peak_bytes)}",
+        f"    state: params               {_gib(m.param_bytes)}   {_gib(full.param_bytes)}",
+        f"           grads                {_gib(m.grad_bytes)}   {_gib(full.grad_bytes)}",
+        f"           optimizer            {_gib(m.optimizer_bytes)}   {_gib(full.optimizer_bytes)}",
+        f"    buffers (RoPE table)        {_gib(m.buffer_bytes)}   {_gib(m.buffer_bytes)}",
+        f"    step peak above baseline    {_gib(m.peak_bytes)}   {_gib(full.peak_bytes)}   (at {m.peak_op})",
+    ]
+    for phase, value in m.phase_peak_bytes.items():
+        lines.append(f"      {phase:<26}{_gib(value)}   {_gib(full.phase_peak_bytes.get(phase))}")
+    lines += [
+        f"    activations kept per block  {_gib(m.retained_bytes_per_layer)}",
+        f"  host offload (block inputs)     {_gib(m.host_offload_bytes)}   {_gib(full.host_offload_bytes)}",
+        "",
+        f"  time (s)                        {'measured':>13}   {'full model':>13}",
+        f"  step (compute)                  {m.step_time_s:13.3f}   {full.step_time_s:13.3f}",
+        f"    attention                     {m.attention_time_s:13.3f}   {full.attention_time_s:13.3f}   "
+        f"(fwd {m.attention_forward_time_s:.3f}, bwd {m.attention_backward_time_s:.3f})",
+        f"    other compute                 {m.other_compute_time_s:13.3f}   {full.other_compute_time_s:13.3f}",
+        f"  communication (modeled)         {m.comm_time_s:13.3f}   {full.comm_time_s:13.3f}   "
+        f"all-to-all {_gib(m.a2a_wire_bytes).strip()} sent at {m.a2a_gbps:g} GB/s"
+        + (f", ring {_gib(m.p2p_bytes).strip()} at {m.p2p_gbps:g} GB/s" if m.p2p_bytes else ""),
+        f"  step + communication            {m.step_time_s + m.comm_time_s:13.3f}   {full.modeled_step_time_s:13.3f}",
+    ]
+    if not m.fake:
+        lines.append("  (real run: the measured times already include the communication)")
+    if m.device_total_bytes and full.device_peak_allocated_bytes and full.device_peak_allocated_bytes > m.device_total_bytes:
+        lines.append(f"  the full model's peak exceeds this device's {_gib(m.device_total_bytes).strip()}: it would OOM")
+    return lines
+
+
+def _length_label(seq_len: int) -> str:
+    """131072 -> "128K", 1048576 -> "1M" (the paper's column names)."""
+    if seq_len % 2**20 == 0:
+        return f"{seq_len // 2**20}M"
+    return f"{seq_len // 2**10}K" if seq_len % 2**10 == 0 else str(seq_len)
+
+
+def _paper_values(path: str) -> dict[tuple[str, str, str], float]:
+    """{(method, metric, length): value} of the paper's Llama3-8B rows (tables 4 and 5)."""
+    import csv
+
+    values: dict[tuple[str, str, str], float] = {}
+    if not os.path.exists(path):
+        return values
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["model"] != "llama3_8b" or row["table"] not in ("4", "5"):
+                continue
+            for key, cell in row.items():
+                if key[0].isdigit() and cell not in ("", None):
+                    try:
+                        values[(row["method"], row["metric"], key)] = float(cell)
+                    except ValueError:  # "OOM"
+                        values[(row["method"], row["metric"], key)] = float("nan")
+    return values
+
+
+def summarize(paths: list[str], paper_csv: str) -> list[str]:
+    """A Markdown table of ``--json`` results (full-model estimates) beside the paper's Tables 4 and 5."""
+    import math
+
+    paper = _paper_values(paper_csv)
+
+    def size(n: float | None) -> float | None:
+        return None if n is None else n / 2**30
+
+    def cell(value: float | None, fmt: str) -> str:
+        if value is None:
+            return "-"
+        return "OOM" if isinstance(value, float) and math.isnan(value) else format(value, fmt)
+
+    records = []
+    for path in paths:
+        with open(path) as f:
+            lines = [line for line in f.read().splitlines() if line.strip().startswith("{")]
+        if lines:
+            records.append(json.loads(lines[-1]))
+    records.sort(key=lambda r: (r.get("seq_len", 0), r.get("cp_mode") or ""))
+    out = [
+        "| method | length | layers run | peak alloc. GiB (full) | peak reserved GiB (full) | tracked GiB (full) "
+        "| paper T4 GiB | step s (full, modeled) | a2a s (modeled) | paper T5 step s | paper T5 a2a s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    steps: dict[tuple[str, str], float] = {}
+    for r in records:
+        method, length = r.get("cp_mode") or "-", _length_label(r.get("seq_len", 0))
+        p4 = paper.get((method, "peak_memory", length))
+        p5 = paper.get((method, "step_time_total", length))
+        p5a = paper.get((method, "step_time_all_to_all", length))
+        if r.get("oom"):
+            out.append(f"| {method} | {length} | {r.get('n_layers') or 'all'} | OOM | OOM | - | {cell(p4, '.2f')} "
+                       f"| - | - | {cell(p5, '.2f')} | {cell(p5a, '.2f')} |")
+            continue
+        full = r["full"]
+        steps[(method, length)] = full["modeled_step_time_s"]
+        out.append(
+            f"| {method} | {length} | {r['n_layers']} of {full['n_layers']} | "
+            f"{cell(size(full['device_peak_allocated_bytes']), '.2f')} | "
+            f"{cell(size(full['device_peak_reserved_bytes']), '.2f')} | {cell(size(full['total_peak_bytes']), '.2f')} | "
+            f"{cell(p4, '.2f')} | {full['modeled_step_time_s']:.2f} | {full['comm_time_s']:.2f} | "
+            f"{cell(p5, '.2f')} | {cell(p5a, '.2f')} |"
+        )
+    lengths = sorted({length for (_, length) in steps}, key=lambda x: (x[-1] != "K", float(x[:-1] or 0)))
+    ratios = [length for length in lengths if ("upipe", length) in steps and ("ulysses", length) in steps]
+    if ratios:
+        out += ["", "| length | UPipe / Ulysses step time (emulated) | paper Table 5 |", "|---|---|---|"]
+        for length in ratios:
+            ours = steps[("upipe", length)] / steps[("ulysses", length)]
+            up, ul = paper.get(("upipe", "step_time_total", length)), paper.get(("ulysses", "step_time_total", length))
+            theirs = up / ul if up and ul and not (math.isnan(up) or math.isnan(ul)) else None
+            out.append(f"| {length} | {ours:.3f} | {cell(theirs, '.3f')} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from titan_upipe.emulate import measure_step
+    from titan_upipe.train import parse_config
+    from titan_upipe.validation import cp_mode
+
+    options, titan_args = _parse(sys.argv[1:] if argv is None else argv)
+    if options.summarize:
+        print("\n".join(summarize(options.summarize, options.paper_csv)))
+        return 0
+    if options.cp_world is None:
+        raise SystemExit("--cp-world N is required (the ranks of the job to emulate)")
+    if options.seq_len:
+        titan_args += ["--training.seq_len", str(options.seq_len)]
+    job_config = parse_config(titan_args)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    real = launched > 1
+    owns_group = False
+    if real:
+        if launched != options.cp_world:
+            raise SystemExit(f"launched with {launched} ranks but --cp-world {options.cp_world}")
+        if not dist.is_initialized():
+            from torchtitan.tools.utils import device_type
+
+            if device_type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            owns_group = True
+    try:
+        m = measure_step(job_config, options.cp_world, fake=not real, n_layers=options.n_layers,
+                         steps=options.steps, rank=options.rank, a2a_gbps=options.a2a_gbps,
+                         p2p_gbps=options.p2p_gbps, time_attention=not options.no_attention_timing,
+                         full_layers=options.full_layers)
+    except torch.OutOfMemoryError as err:
+        message = str(err).splitlines()[0]
+        record = {"oom": True, "config": job_config.job.config_file, "cp_mode": cp_mode(job_config.model.converters),
+                  "seq_len": job_config.training.seq_len, "n_layers": options.n_layers, "error": message}
+        print(json.dumps(record) if options.json
+              else f"{job_config.job.config_file}: OOM on this device with {options.n_layers or 'all'} layers: {message}")
+        return 3
+    finally:
+        if owns_group:
+            dist.barrier()
+            dist.destroy_process_group()
+    if m.rank == (options.rank if not real else 0):
+        if options.json:
+            record = m.to_dict()
+            record["modeled_step_time_s"] = m.step_time_s + m.comm_time_s
+            record["oom"] = False
+            print(json.dumps(record))
+        else:
+            print("\n".join(report_lines(m)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The rank emulator (``titan_upipe.emulate``, ``scripts/emulate_rank.py``).
+
+* One rank emulated in one process on the fake process group has the same tracked peak
+  as that rank in a real 4-process gloo run of the same config (within 5 %; it is exact).
+* The layer extrapolation and the analytic communication count, as pure functions; the
+  extrapolation from 2 blocks against a measured 4-block model.
+* The CLI prints one JSON object with the documented keys.
+
+Fake runs go through the CLI in a fresh process: the fake default process group must not
+leak into other tests (the gloo ranks of ``dist_utils`` are their own processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from trainer_utils import REPO
+
+from titan_upipe.attention import build_schedule
+from titan_upipe.emulate import (
+    StepTracker,
+    attention_comm_bytes,
+    extrapolate_layers,
+    recompute_fraction,
+)
+
+SEQ_LEN = 256
+# (config, ranks). upipe: U = C = 4 on a 1-D mesh; ulysses: C > KV heads; usp: ulysses 2 x ring 2
+# (2-D mesh, ring P2P, zigzag layout); the transforms config: UPipe with tiled MLP/RMSNorm, fused
+# RoPE/CE and full AC with block inputs offloaded to host memory.
+VALIDATED = [
+    ("configs/debug/upipe.toml", 4),
+    ("configs/debug/ulysses.toml", 4),
+    ("configs/debug/usp.toml", 4),
+    ("configs/debug/llama3_upipe_transforms.toml", 2),
+]
+TOLERANCE = 0.05
+
+REQUIRED_KEYS = {
+    "peak_bytes", "total_peak_bytes", "baseline_bytes", "state_bytes", "param_bytes", "grad_bytes",
+    "optimizer_bytes", "phase_peak_bytes", "host_offload_bytes", "device_peak_allocated_bytes",
+    "device_peak_reserved_bytes", "step_time_s", "attention_time_s", "other_compute_time_s", "comm_time_s",
+    "a2a_bytes", "a2a_gbps", "modeled_step_time_s", "n_layers", "n_layers_full", "full", "fake", "oom",
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def _emulate_cli(config: str, world: int, *extra: str) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts" / "emulate_rank.py"), "--job.config_file", config,
+           "--cp-world", str(world), "--seq-len", str(SEQ_LEN), "--json", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def emulated() -> dict[str, dict]:
+    return {config: _emulate_cli(config, world) for config, world in VALIDATED}
+
+
+def _measure_real(rank, world, mesh, config, seq_len):
+    from titan_upipe.emulate import measure_step
+    from titan_upipe.train import parse_config
+
+    job_config = parse_config(["--job.config_file", str(REPO / config), "--training.seq_len", str(seq_len)])
+    return measure_step(job_config, world, fake=False).to_dict()
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1)
+
+
+@pytest.mark.parametrize("config,world", VALIDATED, ids=[c for c, _ in VALIDATED])
+def test_fake_peak_matches_a_real_gloo_run(config, world, emulated):
+    fake = emulated[config]
+    real = run_distributed(world, _measure_real, config, SEQ_LEN)
+    assert fake["fake"] and not real[0]["fake"]
+    assert all(r["loss"] is not None and torch.isfinite(torch.tensor(r["loss"])) for r in real)
+    for key in ("peak_bytes", "total_peak_bytes", "baseline_bytes", "state_bytes"):
+        errors = [_relative(fake[key], r[key]) for r in real]
+        assert max(errors) <= TOLERANCE, f"{config} {key}: fake {fake[key]} vs real {[r[key] for r in real]}"
+    for phase, value in fake["phase_peak_bytes"].items():
+        assert _relative(value, real[0]["phase_peak_bytes"][phase]) <= TOLERANCE, (phase, value, real[0])
+    assert fake["a2a_bytes"] == real[0]["a2a_bytes"] > 0
+    assert fake["host_offload_bytes"] == real[0]["host_offload_bytes"]
+    if "offload" in fake["activation_checkpoint"]:
+        assert fake["host_offload_bytes"] > 0
+
+
+def test_cli_json_has_the_report_keys(emulated):
+    record = emulated["configs/debug/upipe.toml"]
+    assert REQUIRED_KEYS <= set(record), REQUIRED_KEYS - set(record)
+    assert record["oom"] is False and record["cp_mode"] == "upipe" and record["world_size"] == 4
+    assert record["total_peak_bytes"] == record["baseline_bytes"] + record["peak_bytes"]
+    assert record["peak_bytes"] == max(record["phase_peak_bytes"].values())
+    assert record["local_tokens"] == 2 * SEQ_LEN // 4
+    assert record["attention_time_s"] > 0 and record["other_compute_time_s"] > 0
+    assert record["modeled_step_time_s"] == pytest.approx(record["step_time_s"] + record["comm_time_s"])
+    assert record["full"]["n_layers"] == record["n_layers"] == 2  # the debug flavor, not extrapolated
+
+
+_EXTRAPOLATE = """
+import json
+from titan_upipe.emulate import extrapolate_layers, measure_step
+from titan_upipe.train import parse_config
+job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "128"])
+small, big = (measure_step(job, 4, fake=True, n_layers=n) for n in (2, 4))
+fields = ("param_bytes", "grad_bytes", "optimizer_bytes", "layer_param_bytes", "layer_grad_bytes",
+          "layer_optimizer_bytes", "buffer_bytes", "phase_peak_bytes", "retained_bytes_per_layer",
+          "host_offload_bytes")
+estimate = extrapolate_layers(n_measured=2, n_full=4, **{f: getattr(small, f) for f in fields})
+print(json.dumps({"estimate": estimate.total_peak_bytes, "state": estimate.state_bytes,
+                  "measured": big.total_peak_bytes, "measured_state": big.state_bytes}))
+"""
+
+
+def test_two_block_extrapolation_matches_a_four_block_model():
+    proc = subprocess.run([sys.executable, "-c", _EXTRAPOLATE], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["state"] == result["measured_state"]
+    assert _relative(result["estimate"], result["measured"]) <= 0.02, result
+
+
+def test_extrapolate_layers_arithmetic():
+    est = extrapolate_layers(
+        n_measured=2, n_full=8, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
+        layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=7,
+        phase_peak_bytes={"forward": 500, "backward": 700, "optimizer": 150}, retained_bytes_per_layer=50,
+        host_offload_bytes=16, device_peak_allocated_bytes=2000, a2a_bytes=10, a2a_wire_bytes=8,
+        comm_time_s=1.0, attention_time_s=2.0, other_compute_time_s=3.0,
+    )
+    # state: 40 fixed + 60 x 4 for the blocks
+    assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (280, 280, 560)
+    assert est.state_bytes == 1120 and est.baseline_bytes == 280 + 560 + 7
+    assert est.phase_peak_bytes["forward"] == 500 + 6 * 50  # each extra block keeps its activations
+    assert est.phase_peak_bytes["backward"] == 700 + 6 * 50  # retained (50) > grads per block (30)
+    assert est.phase_peak_bytes["optimizer"] == pytest.approx(280 + 50 * 2.8)  # grads + temporaries x param ratio
+    assert est.peak_bytes == 1000 and est.total_peak_bytes == 847 + 1000
+    assert est.device_peak_allocated_bytes == 2000 + (847 + 1000) - (100 + 200 + 7 + 700)
+    assert est.host_offload_bytes == 64 and est.a2a_bytes == 40 and est.a2a_wire_bytes == 32
+    assert (est.comm_time_s, est.attention_time_s, est.other_compute_time_s) == (4.0, 8.0, 12.0)
+    assert est.modeled_step_time_s == 24.0
+    # Offloaded activations (nothing retained): gradients set the backward growth; nothing scales
+    # when measuring the full depth.
+    off = extrapolate_layers(n_measured=2, n_full=4, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
+                             layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=0,
+                             phase_peak_bytes={"backward": 700}, retained_bytes_per_layer=0, host_offload_bytes=0)
+    assert off.phase_peak_bytes["backward"] == 700 + 2 * 30
+    same = extrapolate_layers(n_measured=4, n_full=4, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
+                              layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=5,
+                              phase_peak_bytes={"forward": 9, "optimizer": 150}, retained_bytes_per_layer=3,
+                              host_offload_bytes=0)
+    assert same.total_peak_bytes == 305 + 150 and same.state_bytes == 400
+    with pytest.raises(ValueError):
+        extrapolate_layers(n_measured=0, n_full=4, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+                           layer_param_bytes=0, layer_grad_bytes=0, layer_optimizer_bytes=0, buffer_bytes=0,
+                           phase_peak_bytes={}, retained_bytes_per_layer=0, host_offload_bytes=0)
+
+
+def test_attention_comm_bytes_by_hand():
+    # Llama3 debug: H = 8, KV = 2, D = 16; C = 4 ranks, B = 2, L = 64 local tokens, fp32.
+    b, seq, d, es = 2, 64, 16, 4
+    ulysses = attention_comm_bytes(build_schedule(8, 2, 4, 8), "ulysses", 1, b, seq, d, es)
+    q = seq * b * 8 * d * es  # all 8 query heads of my tokens
+    kv = seq * b * 4 * d * es  # C > KV: each of the 4 ranks gets its group's KV head
+    assert ulysses.a2a_forward == ulysses.a2a_backward == 2 * q + 2 * kv
+    assert ulysses.p2p_forward == ulysses.p2p_backward == 0
+    # UPipe U = C = 4: 2 stages of one head per rank; stage 1 reuses stage 0's K/V.
+    upipe = attention_comm_bytes(build_schedule(8, 2, 4, 4), "upipe", 1, b, seq, d, es)
+    stage = 4 * seq * b * 1 * d * es
+    assert upipe.a2a_forward == 2 * (2 * stage) + 2 * stage
+    assert upipe.a2a_backward == 2 * (4 * stage) + 4 * stage
+    # USP ulysses 2 x ring 2: one ring call per layer, one KV head per rank over S/R = 128 tokens.
+    usp = attention_comm_bytes(build_schedule(8, 2, 2, 8), "usp", 2, b, seq, d, es)
+    block = 2 * b * 1 * (seq * 2) * d
+    assert usp.p2p_forward == block * es and usp.p2p_backward == block * es + 2 * block * 4
+    step = upipe.per_step(n_layers=2, recompute_fraction=1.0)
+    assert step["a2a_bytes"] == 2 * (2 * upipe.a2a_forward + upipe.a2a_backward)
+    assert step["a2a_wire_bytes"] == step["a2a_bytes"] * 3 / 4
+
+
+def test_recompute_fraction():
+    class AC:
+        def __init__(self, mode, option="op"):
+            self.mode, self.selective_ac_option = mode, option
+
+    assert recompute_fraction(AC("none")) == 0.0
+    assert recompute_fraction(AC("full")) == 1.0
+    assert recompute_fraction(AC("selective", "2")) == 0.5
+    assert recompute_fraction(AC("selective", "op")) == 1.0
+
+
+def test_tracker_sees_storage_resizes():
+    """FSDP2 frees and re-allocates with ``untyped_storage().resize_`` (no op): the tracker
+    re-measures those storages, so a freed buffer neither stays counted nor sets the peak."""
+    with StepTracker("cpu") as mem:
+        buffer = torch.empty(1024)  # 4 KiB
+        buffer.untyped_storage().resize_(0)  # freed behind the dispatcher's back
+        other = torch.empty(2048)  # 8 KiB: the peak is 8 KiB, not a stale 12 KiB
+        assert mem.peak_bytes == 8192 and mem.current_bytes == 8192
+        buffer.untyped_storage().resize_(4096)
+        buffer.add_(1)  # an op touching the re-allocated storage re-measures it
+        assert mem.current_bytes == 12288 and mem.peak_bytes == 12288
+        del other
+        mem.reset_peak()
+        assert mem.peak_bytes == 4096
+    assert mem.current_bytes == 4096
