@@ -77,3 +77,19 @@ def test_validate_command(tmp_path):
     wrong_world = subprocess.run([sys.executable, "-m", "titan_upipe.validate", "configs/debug/upipe.toml",
                                   "--world-size", "6"], cwd=REPO, capture_output=True, text=True)
     assert wrong_world.returncode == 1 and "world size 6" in wrong_world.stdout
+
+
+def test_offload_is_pinned_except_where_host_memory_is_short():
+    """The paper pinned offloaded activations for every Llama3-8B length but 5M (1.9 TiB nodes);
+    the generator unpins exactly where a node's block inputs exceed 1 TiB."""
+    import tomllib
+
+    def pinned(path: str) -> bool:
+        with open(REPO / path, "rb") as f:
+            return tomllib.load(f)["activation_checkpoint"]["pin_memory"]
+
+    assert pinned("configs/llama3_8b/upipe_4m.toml") and not pinned("configs/llama3_8b/upipe_5m.toml")
+    for recipe in RECIPES:
+        if recipe.gpu:
+            expected = gen_configs.offloaded_bytes_per_node(recipe) <= gen_configs.PINNED_OFFLOAD_LIMIT
+            assert pinned(recipe.path) == expected, recipe.path
