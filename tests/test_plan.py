@@ -1,0 +1,288 @@
+"""The memory planner (``titan_upipe.plan``): its arithmetic, its CLI, and its predictions against
+tracked live bytes of real training steps at small sizes on CPU.
+
+Measured quantity in the comparisons: ``titan_upipe.emulate.measure_step(...).total_peak_bytes``
+(parameters + optimizer state + buffers live at the start of the step, plus the peak of the
+tensor bytes created during the step: activations, gradients, FSDP buffers, optimizer
+temporaries, token batch), rank 0, steady-state step. Predicted: ``MemoryPlan.peak_gpu_bytes``
+(no runtime reserve: it is 0 on CPU). Numbers: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from titan_upipe import plan as P
+from titan_upipe.attention.validation import valid_heads_per_stage
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = P.GIB
+LLAMA = P.KNOWN_MODELS["llama3_8b"]
+
+
+def gpu_job(seq: str = "1M", **kw) -> P.PlanInput:
+    """The paper's recipe: Llama3-8B, 8 ranks, UPipe U = C, bf16 FSDP, offloaded full AC, transforms."""
+    return P.PlanInput(LLAMA, seq_len=P.parse_length(seq), cp=8, **{"ulysses": 8, **kw})
+
+
+def test_lengths_parse_like_the_configs():
+    assert P.parse_length("128K") == 131072 and P.parse_length("5M") == 5 * 2**20
+    assert P.parse_length("131072") == 131072 and P.parse_length("1.5M") == 3 * 2**19
+    seq_5m = next(line for line in (REPO / "configs/llama3_8b/upipe_5m.toml").read_text().splitlines()
+                  if line.startswith("seq_len"))
+    assert int(seq_5m.split("=")[1]) == P.parse_length("5M")
+    assert P.format_length(P.parse_length("5M")) == "5M" and P.format_length(131072) == "128K"
+    with pytest.raises(ValueError):
+        P.parse_length("-1K")
+
+
+def test_known_models_match_torchtitan_flavors():
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    for name, (spec, flavor) in P.MODEL_FLAVORS.items():
+        args = get_train_spec(spec).model_args[flavor]
+        assert P.model_dims_from_args(name, args) == P.KNOWN_MODELS[name], name
+    assert LLAMA.ffn_dim == 14336
+    assert abs(LLAMA.total_params - 8.03e9) < 0.01e9  # Llama3-8B
+
+
+@pytest.mark.parametrize("job", [
+    gpu_job("5M"), gpu_job("128K"), gpu_job("1M", mode="ulysses"), gpu_job("1M", attention_backend="sdpa"),
+    P.PlanInput(P.KNOWN_MODELS["qwen3_32b"], seq_len=P.parse_length("2M"), cp=16, ulysses=8),
+    P.PlanInput(P.KNOWN_MODELS["qwen3_32b"], seq_len=P.parse_length("2M"), cp=16, ulysses=8, mode="usp"),
+    gpu_job("512K", mode="ring", ulysses=1, tiled_mlp=False, tiled_rmsnorm=False, fused_rope=False, fused_ce=False,
+            ac_mode="none", cpu_offload=False),
+], ids=["upipe-5m", "upipe-128k", "ulysses", "upipe-sdpa", "qwen-upipe-in-usp", "qwen-usp", "ring-plain"])
+def test_breakdown_sums_to_the_peak(job):
+    result = P.plan(job)
+    assert sum(result.breakdown.values()) == result.peak_gpu_bytes
+    assert result.peak_gpu_bytes == max(m.total for m in result.moments)
+    assert result.peak_phase in ("forward", "loss", "backward", "optimizer")
+    assert all(v >= 0 for m in result.moments for v in m.terms.values())
+
+
+def test_terms_scale_with_the_sequence_as_they_should():
+    plans = [P.plan(gpu_job(s)) for s in ("2M", "4M", "6M")]
+    assert len({p.peak.where for p in plans}) == 1  # the same moment sets the peak
+    terms = [p.breakdown for p in plans]
+    per_token = ["block 0: UPipe bwd: dX accumulator (fp32)", "block 0: UPipe bwd: resident K+V",
+                 "block 0: next block's input prefetched from host", "block 0: UPipe bwd: LSE (all stages)",
+                 "block 0: attention kernel: flash bwd fp32 dQ accumulator"]
+    for k in per_token:  # activations: linear, through 0
+        assert terms[1][k] == 2 * terms[0][k] and terms[2][k] == 3 * terms[0][k], k
+    changing = [k for k in terms[0] if terms[1][k] != terms[0][k]]
+    for k in changing:  # every term that grows, grows linearly (RoPE: + its constant inverse frequencies)
+        assert terms[2][k] - terms[1][k] == terms[1][k] - terms[0][k], k
+    assert "block 0: UPipe bwd: wq/wk/wv fp32 gradient accumulators" not in changing
+    for k in ("parameters (fp32, FSDP shard)", "AdamW exp_avg + exp_avg_sq (fp32 shards)",
+              "FSDP: unsharded block parameters", "gradients (fp32 shards reduced so far)"):
+        assert terms[0][k] == terms[1][k] == terms[2][k] > 0, k  # state: independent of the length
+    peaks = [p.peak_gpu_bytes for p in plans]
+    assert abs((peaks[2] - peaks[1]) - (peaks[1] - peaks[0])) <= 1e-6 * peaks[2]  # affine in S
+    # host: the offloaded block inputs, L x tokens x dim x 2 bytes (pageable)
+    job = replace(gpu_job("4M"), pin_memory=False)
+    assert P.plan(job).host_bytes_per_rank == LLAMA.n_layers * job.tokens * LLAMA.dim * 2
+
+
+def test_upipe_attention_terms_shrink_with_u():
+    def attention_bytes(u: int) -> int:
+        result = P.plan(gpu_job("2M", heads_per_stage=u))
+        return max(sum(v for k, v in m.terms.items() if "UPipe bwd" in k) for m in result.moments)
+
+    sizes = [attention_bytes(u) for u in (8, 16, 32)]
+    assert sizes[0] < sizes[1] < sizes[2]
+    peaks = [P.plan(gpu_job("2M", heads_per_stage=u)).peak_gpu_bytes for u in (8, 16, 32)]
+    assert peaks == sorted(peaks)
+
+
+def test_upipe_forward_attention_term_shrinks_like_paper_table2():
+    """The per-stage forward term reused from memory_model: with U = H it is Ulysses' all heads."""
+    from titan_upipe.attention.memory_model import LayerShape, upipe_forward_terms
+
+    shape = LayerShape(32, 8, 128, cp_degree=8, seq_len=8 * 1024, batch=1, dim=4096, elem_bytes=2)
+    small, full = sum(upipe_forward_terms(shape, 8).values()), sum(upipe_forward_terms(shape, 32).values())
+    assert small < full
+    # the paper's Table 2 UPipe row shrinks the same way (nu = H/U stages)
+    assert P.paper_table2_peak(shape, 8) < P.paper_table2_peak(shape, 32)
+
+
+def test_max_seq_len_is_the_largest_fitting_multiple():
+    job = gpu_job()
+    gpu, host = 80 * GIB, 1900 * GIB
+    best = P.max_seq_len(job, gpu, host)
+    assert best > 0 and best % job.seq_unit == 0
+    assert P.plan(replace(job, seq_len=best), host).fits(gpu, host)
+    assert not P.plan(replace(job, seq_len=best + job.seq_unit), host).fits(gpu, host)
+    lengths = [P.max_seq_len(job, g * GIB, host) for g in (40, 60, 80, 140)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    # with a ring the unit is 2 x ring x ulysses
+    usp = P.PlanInput(LLAMA, seq_len=2**20, cp=16, ulysses=8, mode="usp")
+    assert usp.seq_unit == 32 and P.max_seq_len(usp, gpu, host) % 32 == 0
+    assert P.max_seq_len(job, 1 * GIB, host) == 0  # not even the shortest length fits
+
+
+def test_host_memory_limits_the_length_and_pinned_buffers_round_up():
+    job = gpu_job("5M")
+    result = P.plan(job, 1900 * GIB)
+    # pinned buffers are powers of two: 5 GiB per block input -> 8 GiB, 32 x 8 x 8 GiB = 2 TiB > 1900 GiB
+    assert result.host_bytes_pinned_per_rank == 32 * 8 * GIB
+    assert not result.host_pinned and result.host_bytes == 8 * 32 * 5 * GIB
+    assert P.plan(replace(job, pin_memory=True), 1900 * GIB).host_bytes == 8 * 32 * 8 * GIB
+    assert P.max_seq_len(job, 1000 * GIB, 500 * GIB) < P.max_seq_len(job, 1000 * GIB, 1900 * GIB)
+
+
+def test_recommended_u_is_valid_and_prefers_fewer_stages():
+    valid = valid_heads_per_stage(LLAMA.n_heads, 8)
+    u, ok = P.recommended_heads_per_stage(gpu_job("128K"), 80 * GIB, 1900 * GIB)
+    assert ok and u == max(valid)  # short context: one stage fits
+    u_long, ok_long = P.recommended_heads_per_stage(gpu_job("4M"), 80 * GIB, 1900 * GIB)
+    assert u_long in valid and u_long < u
+    if ok_long:
+        assert P.plan(gpu_job("4M", heads_per_stage=u_long)).fits(80 * GIB, 1900 * GIB)
+    u_none, ok_none = P.recommended_heads_per_stage(gpu_job("16M"), 80 * GIB, 1900 * GIB)
+    assert (u_none, ok_none) == (8, False)  # nothing fits: the least memory, U = C
+    # a Ulysses job gets the UPipe recommendation for the same cluster
+    assert P.recommended_heads_per_stage(gpu_job("128K", mode="ulysses"), 80 * GIB)[0] in valid
+
+
+def test_invalid_jobs_are_refused():
+    with pytest.raises(ValueError, match="U = 12"):
+        P.plan(gpu_job(heads_per_stage=12))
+    with pytest.raises(ValueError, match="multiple of"):
+        P.plan(P.PlanInput(LLAMA, seq_len=1001, cp=8))
+
+
+def test_cli_json_in_a_subprocess():
+    cmd = [sys.executable, "-m", "titan_upipe.plan", "--model", "llama3_8b", "--seq-len", "5M", "--cp", "8",
+           "--ulysses", "8", "--gpu-mem", "80", "--host-mem", "1900", "--json"]
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    for key in ("peak_gpu_gib", "host_gib", "max_seq_len", "recommended_heads_per_stage", "breakdown_bytes",
+                "peak_phase", "phase_peak_gib"):
+        assert key in info, key
+    assert info["seq_len"] == 5 * 2**20 and info["heads_per_stage"] == 8
+    assert abs(sum(info["breakdown_bytes"].values()) / GIB - info["peak_gpu_gib"]) < 1e-9
+    assert info["max_seq_len"] % 8 == 0 and info["recommended_heads_per_stage"] in (8, 16, 32)
+    assert info["host_gib"] == pytest.approx(8 * 32 * 5)  # pageable: pinned would not fit 1900 GiB
+
+
+@pytest.mark.parametrize("config, world, mode", [
+    ("configs/llama3_8b/upipe_5m.toml", "8", "upipe"),
+    ("configs/debug/upipe.toml", "4", "upipe"),
+])
+def test_cli_reads_a_job_config(capsys, config, world, mode):
+    assert P.main(["--job.config_file", str(REPO / config), "--world-size", world, "--gpu-mem", "80",
+                   "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["mode"] == mode and info["world_size"] == int(world)
+    assert info["peak_gpu_gib"] > 0 and "max_seq_len" in info and "recommended_heads_per_stage" in info
+    if "debug" in config:
+        assert info["device"] == "cpu" and info["runtime_reserve_gib"] == 0
+    else:
+        assert info["device"] == "cuda" and info["seq_len"] == 5 * 2**20
+        assert info["job"]["attention_backend"] == "sdpa" and info["job"]["tiled_mlp"]
+    # human-readable form and overrides
+    assert P.main(["--job.config_file", str(REPO / config), "--world-size", world,
+                   "--training.seq_len", "4096"]) == 0
+    text = capsys.readouterr().out
+    assert "peak" in text and "4K (4096)" in text
+
+
+def test_plot_is_written(tmp_path, capsys):
+    out = tmp_path / "planner.png"
+    assert P.main(["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--gpu-mem", "80",
+                   "--host-mem", "1900", "--plot", str(out)]) == 0
+    assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = P.paper_table4("llama3_8b")
+    if table is not None:  # the shared anchors are optional
+        assert table["upipe"][P.parse_length("5M")] == pytest.approx(72.30)
+        assert table["ulysses"][P.parse_length("4M")] is None  # OOM
+
+
+def test_paper_table_absence_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(P, "PAPER_TABLES_CSV", tmp_path / "missing.csv")
+    assert P.paper_table4("llama3_8b") is None
+    message = P.make_plot(gpu_job(), str(tmp_path / "p.png"), 80 * GIB, None, "llama3_8b")
+    assert message and "not found" in message and (tmp_path / "p.png").exists()
+
+
+# --- prediction vs measurement at small sizes (CPU) ------------------------------------------
+
+EMULATE = r"""
+import json, sys
+import titan_upipe
+from titan_upipe.emulate import measure_step
+from titan_upipe.train import parse_config
+out = []
+for spec in json.loads(sys.argv[1]):
+    m = measure_step(parse_config(spec["args"]), spec["world"], fake=True, time_attention=False)
+    out.append({"total": m.total_peak_bytes, "baseline": m.baseline_bytes, "phases": m.phase_peak_bytes})
+print(json.dumps(out))
+"""
+
+CASES = [
+    # (args, world): the debug configs (fp32, no AC, no transforms) ...
+    (["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "256"], 4),
+    (["--job.config_file", "configs/debug/ulysses.toml", "--training.seq_len", "256"], 4),
+    # ... and the GPU recipe's structure (bf16 FSDP, offloaded full AC, all transforms) where the
+    # attention backward sets the peak
+    (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "4096",
+      "--training.mixed_precision_param", "bfloat16", "--transforms.ce_backend", "torch"], 2),
+]
+
+
+def _phase_of(moment: P.Moment) -> str:
+    """The emulator's phases: forward (to the loss, included), backward, optimizer."""
+    if moment.where == "loss forward":
+        return "forward"
+    return "backward" if moment.phase == "loss" else moment.phase
+
+
+def test_prediction_within_10_percent_of_the_emulated_rank():
+    specs = [{"args": args, "world": world} for args, world in CASES]
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", EMULATE, json.dumps(specs)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    from titan_upipe.train import parse_config
+
+    for (args, world), got in zip(CASES, measured, strict=True):
+        result = P.plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
+                                                      for a in args]), world, device="cpu")
+        assert abs(result.peak_gpu_bytes / got["total"] - 1) <= 0.10, (args, result.peak_gpu_bytes, got)
+        predicted = {}
+        for moment in result.moments:
+            phase = _phase_of(moment)
+            predicted[phase] = max(predicted.get(phase, 0), moment.total)
+        for phase, peak in got["phases"].items():
+            assert abs(predicted[phase] / (got["baseline"] + peak) - 1) <= 0.10, (args, phase)
+
+
+def _real_rank(rank, world, mesh, args):
+    from titan_upipe.emulate import measure_step
+    from titan_upipe.train import parse_config
+
+    return measure_step(parse_config(args), world, fake=False, time_attention=False).total_peak_bytes
+
+
+def test_prediction_within_10_percent_of_a_real_gloo_job():
+    """The same measurement inside a real 4-rank gloo job (one process per rank)."""
+    from dist_utils import run_distributed
+
+    args = ["--job.config_file", str(REPO / "configs/debug/upipe.toml"), "--training.seq_len", "256"]
+    per_rank = run_distributed(4, _real_rank, args, timeout=600)
+    from titan_upipe.train import parse_config
+
+    predicted = P.plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
+    for total in per_rank:
+        assert abs(predicted / total - 1) <= 0.10, (predicted, per_rank)
