@@ -115,6 +115,24 @@ def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
 
 
+def case_inputs(case, seed: int):
+    """The unconverted module (in the case's dtype), its RoPE table, input, output gradient and
+    positions (``case.positions``: None, "1d" ``[1, S]`` or "batch" ``[B, S]``, per-sequence offsets)."""
+    dtype = getattr(torch, case.dtype)
+    torch.manual_seed(seed)
+    module, table = build_reference(case.model, case.n_heads, case.n_kv_heads, max_seq_len=4 * case.seq_len)
+    module = module.to(dtype)
+    dim = module.wq.in_features
+    x = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
+    grad_y = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
+    positions = None
+    if case.positions == "1d":
+        positions = torch.arange(case.seq_len).unsqueeze(0)
+    elif case.positions == "batch":
+        positions = torch.arange(case.seq_len).unsqueeze(0) + 3 * torch.arange(1, case.batch + 1).unsqueeze(1)
+    return module, table, x, grad_y, positions
+
+
 def reference_results(module, x: torch.Tensor, table, positions, grad_y: torch.Tensor) -> dict[str, torch.Tensor]:
     """Output and gradients (input and every parameter) of the unconverted single-process module;
     leaves the module's gradients cleared."""
@@ -160,18 +178,7 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
     from titan_upipe.attention import convert_attention
     from titan_upipe.parallel import gather_sequence, shard_sequence
 
-    dtype = getattr(torch, case.dtype)
-    torch.manual_seed(seed)
-    module, table = build_reference(case.model, case.n_heads, case.n_kv_heads, max_seq_len=4 * case.seq_len)
-    module = module.to(dtype)
-    dim = module.wq.in_features
-    x = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
-    grad_y = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
-    positions = None
-    if case.positions == "1d":
-        positions = torch.arange(case.seq_len).unsqueeze(0)
-    elif case.positions == "batch":
-        positions = torch.arange(case.seq_len).unsqueeze(0) + 3 * torch.arange(1, case.batch + 1).unsqueeze(1)
+    module, table, x, grad_y, positions = case_inputs(case, seed)
 
     ref = reference_results(module, x, table, positions, grad_y)
 

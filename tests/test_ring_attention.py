@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_attention_parity import build_reference, parallel_errors, reference_results, run_cases
+from test_attention_parity import case_inputs, parallel_errors, reference_results, run_cases
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -92,18 +92,9 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     from titan_upipe.attention import convert_attention
     from titan_upipe.parallel import ContiguousLayout, context_parallel_mesh, gather_sequence, shard_sequence
 
-    dtype = getattr(torch, case.dtype)
     ulysses_degree = case.ulysses if case.mode != "ring" else 0
     mesh = context_parallel_mesh(world_mesh, case.mode, ulysses_degree)
-    torch.manual_seed(seed)
-    module, table = build_reference(case.model, case.n_heads, case.n_kv_heads, max_seq_len=4 * case.seq_len)
-    module = module.to(dtype)
-    dim = module.wq.in_features
-    x = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
-    grad_y = torch.randn(case.batch, case.seq_len, dim, dtype=dtype)
-    positions = None
-    if case.positions == "batch":
-        positions = torch.arange(case.seq_len).unsqueeze(0) + 3 * torch.arange(1, case.batch + 1).unsqueeze(1)
+    module, table, x, grad_y, positions = case_inputs(case, seed)
 
     ref = reference_results(module, x, table, positions, grad_y)
 
