@@ -86,3 +86,21 @@ def test_resized_outputs_follow_the_storage() -> None:
         assert mem.current_bytes == 256 * F32
         assert mem.peak_bytes == 2 * 256 * F32
     del out
+
+
+def _dtensor_bytes(rank: int, world: int, mesh) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = torch.ones(16, 8)  # this rank's shard of a [32, 8] tensor
+    sharded = DTensor.from_local(local, mesh, [Shard(0)])
+    with LiveTensorTracker() as mem:
+        doubled = sharded * 2
+    assert doubled.to_local().shape == (16, 8) and doubled.shape == (32, 8)
+    return mem.current_bytes, doubled.to_local().untyped_storage().nbytes()
+
+
+def test_dtensors_are_counted_by_their_local_shard():
+    from dist_utils import run_distributed
+
+    for counted, local_bytes in run_distributed(2, _dtensor_bytes):
+        assert counted == local_bytes == 16 * 8 * 4  # not the global 32 x 8

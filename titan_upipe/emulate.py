@@ -109,10 +109,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from titan_upipe.memory_tracker import LiveTensorTracker
+from titan_upipe.memory_tracker import LiveTensorTracker, plain_tensors
 
 GB = 1e9
 DEFAULT_A2A_GBPS = 150.0
@@ -123,23 +122,10 @@ PHASES = ("forward", "backward", "optimizer")
 # --------------------------------------------------------------------------- memory tracking
 
 
-def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The real tensors behind ``t``: a DTensor's local shard, any wrapper subclass's inner tensors."""
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        for attr in attrs:
-            inner = getattr(t, attr)
-            if isinstance(inner, torch.Tensor):
-                yield from _plain_tensors(inner)
-    else:
-        yield t
-
-
 class StepTracker(LiveTensorTracker):
     """``LiveTensorTracker`` for a training step of a sharded model.
 
-    * Wrapper subclasses (DTensor) are accounted by their local tensors: a DTensor's own
-      ``untyped_storage()`` reports the *global* size.
+    * Wrapper subclasses (DTensor) are accounted by their local tensors, as in the base class.
     * Storages resized in place without an op (FSDP2 frees and re-allocates unsharded
       parameters and all-gather buffers with ``untyped_storage().resize_()``, which no
       dispatch mode sees) are re-measured: those an op touches, at that op; all of them
@@ -206,14 +192,14 @@ class StepTracker(LiveTensorTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [plain for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
-                  for plain in _plain_tensors(leaf) if plain.device.type != "meta"]
+                  for plain in plain_tensors(leaf) if plain.device.type != "meta"]
         input_storages = frozenset(plain.untyped_storage()._cdata for plain in inputs)
         self._resync(input_storages)  # re-allocated by resize_ before this op used them
         out = func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                for plain in _plain_tensors(leaf):
+                for plain in plain_tensors(leaf):
                     if plain.device.type == self.device_type:
                         self._account(plain, name, input_storages)
         return out
@@ -225,7 +211,7 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        for plain in _plain_tensors(t):
+        for plain in plain_tensors(t):
             if plain.device.type == "meta":
                 continue
             storage = plain.untyped_storage()

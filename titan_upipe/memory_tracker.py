@@ -25,11 +25,25 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+
+def plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The real tensors behind ``t``: a DTensor's local shard, any wrapper subclass's inner
+    tensors (a wrapper's own ``untyped_storage()`` reports the global size)."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):
+                yield from plain_tensors(inner)
+    else:
+        yield t
 
 
 @dataclass
@@ -100,14 +114,15 @@ class LiveTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         # Outputs sharing an input's storage (views, in-place, out=) allocate nothing new.
         input_storages = frozenset(
-            leaf.untyped_storage()._cdata for leaf in tree_leaves((args, kwargs))
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+            plain.untyped_storage()._cdata for leaf in tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor) for plain in plain_tensors(leaf) if plain.device.type != "meta"
         )
         out = func(*args, **kwargs)
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self._account(leaf, name, input_storages)
+                for plain in plain_tensors(leaf):
+                    self._account(plain, name, input_storages)
         return out
 
 
