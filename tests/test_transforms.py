@@ -300,6 +300,44 @@ def test_offloaded_checkpoint_matches_and_keeps_inputs_on_host():
     del out
 
 
+def test_offloaded_backward_frees_the_recomputed_block_output():
+    """The wrapper's backward does not hold the recomputed block output while the block
+    backpropagates: its peak is at least one output below a recompute that holds it."""
+    from titan_upipe.transforms.offload import OffloadedCheckpointWrapper, OffloadSchedule
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return x + self.lin(torch.relu(x))  # a residual block: the add saves nothing
+
+    torch.manual_seed(0)
+    block = Block()
+    x, grad = torch.randn(512, 64), torch.randn(512, 64)
+    out_bytes = x.numel() * x.element_size()
+
+    def holding_output():
+        leaf = x.clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = block(leaf)
+        torch.autograd.backward(out, grad)  # the output stays referenced during backward
+        return leaf.grad
+
+    wrapped = OffloadedCheckpointWrapper(block, OffloadSchedule(pin_memory=False), first_block=True)
+    leaf = x.clone().requires_grad_(True)
+    y = wrapped(leaf)
+    with LiveTensorTracker() as mem:
+        y.backward(grad)
+    wrapper_peak = mem.peak_bytes
+    with LiveTensorTracker() as mem:
+        want = holding_output()
+    block.zero_grad(set_to_none=True)
+    assert torch.equal(leaf.grad, want)
+    assert mem.peak_bytes - wrapper_peak >= out_bytes, (mem.peak_bytes, wrapper_peak, out_bytes)
+
+
 def test_offloaded_checkpoint_keeps_parameter_fqns_clean():
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

@@ -677,8 +677,6 @@ class _Step:
             common["block input (fetched/checkpointed, recomputed from)"] = u
             if job.offloaded and self.cuda:
                 common["next block's input prefetched from host"] = u
-            if job.offloaded:  # OffloadedCheckpointFunction.backward keeps `out` while backpropagating it
-                common["recomputed block output (held by the checkpoint)"] = u
         n1 = self.norm_out("attention_norm")
         n2 = self.norm_out("ffn_norm")
         h = {"h = x + attention (residual)": u}
@@ -701,8 +699,7 @@ class _Step:
         moments = [("MLP backward", {**common, **n1, **att["saved"], **h, **n2, **mlp_bwd}, mlp_grads)]
         if job.ac_mode == "full":  # the recomputation (forward with autograd) before it
             where, inner = self.block_forward_peak(grad=True)
-            before = {k: v for k, v in common.items() if not k.startswith("recomputed block output")}
-            moments.insert(0, (f"recompute forward ({where})", {**before, **inner}, {}))
+            moments.insert(0, (f"recompute forward ({where})", {**common, **inner}, {}))
         # 2) ffn_norm backward (the MLP's saved tensors are gone, its dX is the norm's incoming grad)
         if job.tiled_rmsnorm:
             tile = min(job.rmsnorm_tile_tokens or m.dim, self.T)

@@ -137,7 +137,12 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         ctx.saved_input = None
         with torch.enable_grad():
             out = ctx.run(x)
-        torch.autograd.backward(out, grad_out)
+        # Backpropagate from the output's graph edge, not the tensor: the recomputed output (one
+        # hidden state; a block's last op, the residual add, does not save it) is freed here
+        # instead of living through the whole block backward.
+        edge = torch.autograd.graph.get_gradient_edge(out)
+        del out
+        torch.autograd.backward(edge, grad_out)
         return None, x.grad, None
 
 
