@@ -1,5 +1,5 @@
 """Train specs and debug flavors (the parallelize_fn's guard rails: test_validation.py)."""
-
+import pytest
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_upipe.data.tokenizer import VOCAB_SIZE
@@ -16,3 +16,21 @@ def test_specs_registered_with_stock_and_debug_flavors():
 
 def test_flavors_are_private_copies():
     assert get_train_spec("upipe_llama3").model_args["8B"] is not get_train_spec("llama3").model_args["8B"]
+
+
+def test_flavor_args_are_a_copy_updated_from_the_config():
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_upipe.config import ConfigError
+    from titan_upipe.specs import flavor_args
+    from titan_upipe.train import parse_config
+
+    job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "8192"])
+    shared = get_train_spec(job.model.name).model_args[job.model.flavor]
+    before = shared.max_seq_len
+    args = flavor_args(job)
+    assert args.max_seq_len == 8192 and args is not shared
+    assert shared.max_seq_len == before  # the spec's flavor dict is not mutated
+    job.model.flavor = "no_such_flavor"
+    with pytest.raises(ConfigError, match="valid values are"):
+        flavor_args(job)

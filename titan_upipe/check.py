@@ -72,9 +72,10 @@ def _build_models(job_config, parallel_dims, device, dtype):
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.protocols.train_spec import get_train_spec
 
+    from titan_upipe.specs import flavor_args
+
     spec = get_train_spec(job_config.model.name)
-    args = spec.model_args[job_config.model.flavor]
-    args.update_from_config(job_config)
+    args = flavor_args(job_config)
     with torch.device("meta"):
         reference = spec.model_cls(args)
         parallel = spec.model_cls(args)

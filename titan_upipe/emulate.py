@@ -99,7 +99,6 @@ fake one); run it in a subprocess where other code uses ``torch.distributed``.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
@@ -690,13 +689,14 @@ def _build_rank(job_config, world_size: int, device: torch.device, n_layers: int
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.protocols.train_spec import get_train_spec
 
+    from titan_upipe.specs import flavor_args
+
     par = job_config.parallelism
     parallel_dims = ParallelDims(dp_shard=_dp_shard(par, world_size), dp_replicate=par.data_parallel_replicate_degree,
                                  cp=par.context_parallel_degree, tp=1, pp=1, ep=1, etp=1, world_size=world_size)
     parallel_dims.build_mesh()
     spec = get_train_spec(job_config.model.name)
-    args = copy.deepcopy(spec.model_args[job_config.model.flavor])  # update_from_config mutates
-    args.update_from_config(job_config)
+    args = flavor_args(job_config)
     n_full = args.n_layers
     if n_layers is not None:
         if n_layers < 1:

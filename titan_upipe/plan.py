@@ -925,12 +925,11 @@ def _dtype_bytes(name: str) -> int:
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
     """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.train.parse_config``)."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
+    from titan_upipe.specs import flavor_args
     from titan_upipe.validation import cp_mode
 
-    flavors = get_train_spec(job_config.model.name).model_args
-    dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", flavors[job_config.model.flavor])
+    dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}",
+                                flavor_args(job_config, update=False))
     converters = list(job_config.model.converters)
     par = job_config.parallelism
     cp = par.context_parallel_degree

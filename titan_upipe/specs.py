@@ -86,3 +86,21 @@ def register() -> None:
                                 (QWEN3_SPEC, "qwen3", QWEN3_DEBUG_FLAVORS)):
         if not _is_registered(name):
             register_train_spec(name, _derived_spec(base, flavors))
+
+
+def flavor_args(job_config, *, update: bool = True):
+    """A copy of the configured flavor's model args, updated from the job config as the trainer
+    does (``update_from_config``) unless ``update`` is False. A copy, because a train spec's
+    flavor dict is shared module state that ``update_from_config`` would mutate."""
+    from titan_upipe.config import ConfigError
+
+    flavors = get_train_spec(job_config.model.name).model_args
+    if job_config.model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor = {job_config.model.flavor!r} is not a flavor of {job_config.model.name}: "
+            f"valid values are {', '.join(flavors)}"
+        )
+    args = copy.deepcopy(flavors[job_config.model.flavor])
+    if update:
+        args.update_from_config(job_config)
+    return args

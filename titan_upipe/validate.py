@@ -48,11 +48,10 @@ class LayoutSummary:
 
 
 def _world_size_from_config(parallelism) -> int | None:
+    from titan_upipe.validation import degrees_besides_shard
+
     shard = parallelism.data_parallel_shard_degree
-    if shard == -1:
-        return None
-    return (shard * parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
-            * parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree)
+    return None if shard == -1 else shard * degrees_besides_shard(parallelism)
 
 
 def find_problems(job_config, world_size: int) -> list[str]:

@@ -36,9 +36,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def degrees_besides_shard(parallelism) -> int:
+    """The product of every parallel degree but ``data_parallel_shard_degree``."""
+    return (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
+            * parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree)
+
+
 def check_world_size(parallelism, world_size: int) -> None:
-    fixed = (parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
-             * parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree)
+    fixed = degrees_besides_shard(parallelism)
     shard = parallelism.data_parallel_shard_degree
     if shard == -1:
         ok = world_size % fixed == 0
@@ -65,15 +70,9 @@ def check_supported_parallelism(parallelism) -> None:
 
 def model_heads(job_config) -> tuple[int, int]:
     """(query heads, KV heads) of the configured flavor."""
-    from torchtitan.protocols.train_spec import get_train_spec
+    from titan_upipe.specs import flavor_args
 
-    flavors = get_train_spec(job_config.model.name).model_args
-    if job_config.model.flavor not in flavors:
-        raise ConfigError(
-            f"model.flavor = {job_config.model.flavor!r} is not a flavor of {job_config.model.name}: "
-            f"valid values are {', '.join(flavors)}"
-        )
-    args = flavors[job_config.model.flavor]
+    args = flavor_args(job_config, update=False)
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
