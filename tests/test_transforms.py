@@ -263,29 +263,37 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
     assert rel_err(got, want) <= FP32_RTOL
 
 
-def test_offloaded_checkpoint_matches_and_keeps_inputs_on_host():
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_offloaded_checkpoint_matches_and_keeps_inputs_on_host(family):
     torch.manual_seed(0)
-    plain = llama3(n_layers=3)
+    plain = (llama3 if family == "llama3" else qwen3)(n_layers=3)
     converted = copy.deepcopy(plain)
     apply_offloaded_ac(converted, pin_memory=True)
     tokens = torch.randint(0, 300, (2, 32))
     plain(tokens).square().mean().backward()
 
+    # Hooks on the wrappers and submodules, not the blocks: a block's own hooks select the
+    # whole-block checkpoint, and this test is about the split one TorchTitan blocks get.
     inputs: list[weakref.ref] = []
-    hooks = [layer._checkpoint_wrapped_module.register_forward_pre_hook(
-        lambda m, args: inputs.append(weakref.ref(args[0]))) for layer in converted.layers.values()]
+    hiddens: list[weakref.ref] = []
+    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0])))
+             for layer in converted.layers.values()]
+    hooks += [layer._checkpoint_wrapped_module.ffn_norm.register_forward_pre_hook(
+        lambda m, args: hiddens.append(weakref.ref(args[0]))) for layer in converted.layers.values()]
     before = (OFFLOAD_STATS.saved_tensors, OFFLOAD_STATS.host_bytes)
     out = converted(tokens)
-    # Between forward and backward: every block input lives in the offload buffer, none elsewhere.
+    # Between forward and backward: every block input lives in the offload buffer, none elsewhere,
+    # and no block keeps h (the residual stream after attention).
     assert OFFLOAD_STATS.saved_tensors - before[0] == 3
     assert OFFLOAD_STATS.host_bytes - before[1] == 3 * 2 * 32 * 64 * 4
     assert len(inputs) == 3 and all(ref() is None for ref in inputs)
+    assert len(hiddens) == 3 and all(ref() is None for ref in hiddens)
     out.square().mean().backward()
     assert (OFFLOAD_STATS.saved_tensors, OFFLOAD_STATS.host_bytes) == before
     for hook in hooks:
         hook.remove()
     for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
-        assert rel_err(q.grad, p.grad) <= FP32_RTOL, name
+        assert torch.equal(q.grad, p.grad), name  # same ops in the same order: bit for bit
     # Sensitivity: TorchTitan's full AC (non-reentrant) keeps the block inputs alive.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -336,6 +344,83 @@ def test_offloaded_backward_frees_the_recomputed_block_output():
     block.zero_grad(set_to_none=True)
     assert torch.equal(leaf.grad, want)
     assert mem.peak_bytes - wrapper_peak >= out_bytes, (mem.peak_bytes, wrapper_peak, out_bytes)
+
+
+class _NotATitanBlock(nn.Module):
+    """A TorchTitan block behind a generic module: offloading checkpoints it as one Function."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, *args):
+        return self.block(x, *args)
+
+
+def test_offloaded_llama3_block_frees_the_output_gradient_before_the_attention_backward():
+    """The engine holds a Function's incoming gradient until its backward returns. A TorchTitan
+    block's checkpoint is split at h, so the block output's gradient is dead when the attention
+    backward runs, and that phase's peak is one hidden state below the whole-block Function's."""
+    from titan_upipe.transforms.offload import OffloadedCheckpointWrapper, OffloadSchedule
+
+    torch.manual_seed(0)
+    model = llama3(n_layers=1, max_seq_len=512)
+    block = model.layers["0"]
+    x, weight = torch.randn(2, 512, 64), torch.randn(2, 512, 64)
+    hidden_bytes = x.numel() * x.element_size()
+
+    def attention_backward(module: nn.Module) -> tuple[bool, int]:
+        """Whether the block output's gradient is alive when the attention backward starts, and
+        the peak bytes from there to the end of backward."""
+        wrapped = OffloadedCheckpointWrapper(module, OffloadSchedule(pin_memory=False), first_block=True)
+        grad_out: list[weakref.ref] = []
+        alive: list[bool] = []
+
+        def on_attention_grad(grad: torch.Tensor) -> None:
+            alive.append(grad_out[0]() is not None)
+            mem.reset_peak()
+
+        def on_attention_forward(m, args, out):
+            if out.requires_grad:  # the recompute inside backward
+                out.register_hook(on_attention_grad)
+
+        hook = block.attention.register_forward_hook(on_attention_forward)
+        block.zero_grad(set_to_none=True)  # both runs allocate the parameter gradients alike
+        with LiveTensorTracker() as mem:
+            y = wrapped(x.clone().requires_grad_(True), model.freqs_cis, None)
+            y.register_hook(lambda grad: grad_out.append(weakref.ref(grad)))
+            # The engine makes y's gradient (y * weight); the test keeps only a weakref to it.
+            (y * weight).sum().backward()
+        hook.remove()
+        assert len(grad_out) == 1 and len(alive) == 1
+        return alive[0], mem.peak_bytes
+
+    split_alive, split_peak = attention_backward(block)
+    whole_alive, whole_peak = attention_backward(_NotATitanBlock(block))
+    assert not split_alive
+    assert whole_alive  # sensitivity: one Function for the whole block keeps the gradient
+    assert whole_peak - split_peak >= hidden_bytes, (whole_peak, split_peak, hidden_bytes)
+
+
+def test_offloaded_titan_block_with_its_own_hooks_still_runs_them():
+    """Running a block's halves directly would skip hooks on the block itself (e.g. FSDP applied
+    to the block, not the wrapper): such a block gets the whole-block checkpoint."""
+    from titan_upipe.transforms.offload import OffloadedCheckpointWrapper, OffloadSchedule
+
+    torch.manual_seed(0)
+    plain = llama3(n_layers=1)
+    hooked = copy.deepcopy(plain)
+    block = hooked.layers["0"]
+    calls: list[str] = []
+    block.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    block.register_forward_hook(lambda m, args, out: calls.append("post"))
+    hooked.layers.register_module("0", OffloadedCheckpointWrapper(block, OffloadSchedule(False), first_block=True))
+    tokens = torch.randint(0, 300, (2, 32))
+    plain(tokens).square().mean().backward()
+    hooked(tokens).square().mean().backward()
+    assert calls == ["pre", "post", "pre", "post"]  # forward, and the recompute in backward
+    for (name, p), q in zip(plain.named_parameters(), hooked.parameters(), strict=True):
+        assert torch.equal(q.grad, p.grad), name
 
 
 def test_offloaded_checkpoint_keeps_parameter_fqns_clean():

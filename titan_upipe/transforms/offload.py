@@ -9,6 +9,20 @@ that copy. In backward, the block fetches its input back, recomputes itself with
 and backpropagates, after first starting the copy of the *previous* block's input (the next
 one backward needs) on a side stream, so the transfer overlaps this block's recompute.
 
+TorchTitan's Llama3 and Qwen3 blocks are checkpointed as two chained autograd Functions split at
+``h``, the residual stream after attention: :class:`OffloadedAttentionHalf` (``x -> h = x +
+attention(attention_norm(x))``) and :class:`OffloadedFeedForwardHalf` (``h -> out = h +
+ffn(ffn_norm(h))``). The autograd engine keeps the gradient passed into a Function's backward
+alive until that backward returns (``del`` in Python does not release it), so one Function around
+the whole block would hold the block output's gradient (one hidden state) through the attention
+backward, which needs only the gradient of ``h``. Split, the feed-forward half's backward
+recomputes the whole block, backpropagates its own half and returns the gradient of ``h``; the
+engine drops the output's gradient before the attention half's backward runs the attention graph
+left to it, one hidden state below the whole-block peak. Any other module (or a TorchTitan block
+with hooks of its own, which running its halves directly would skip) is checkpointed by the
+whole-block :class:`OffloadedCheckpointFunction` and holds its incoming gradient through its whole
+backward.
+
 On CPU the "host buffer" is a separate CPU tensor: the copy and the bookkeeping
 (:data:`OFFLOAD_STATS`) are the same, only the streams are absent.
 
@@ -19,11 +33,15 @@ Blocks run no dropout (Llama3, Qwen3), so recomputation needs no RNG replay.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torchtitan.models.llama3.model.model import TransformerBlock as Llama3Block
+from torchtitan.models.qwen3.model.model import TransformerBlock as Qwen3Block
 
 Tensor = torch.Tensor
 
@@ -140,10 +158,109 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         # Backpropagate from the output's graph edge, not the tensor: the recomputed output (one
         # hidden state; a block's last op, the residual add, does not save it) is freed here
         # instead of living through the whole block backward.
-        edge = torch.autograd.graph.get_gradient_edge(out)
+        edge = get_gradient_edge(out)
         del out
         torch.autograd.backward(edge, grad_out)
         return None, x.grad, None
+
+
+class SplitBlock:
+    """One TorchTitan block's two halves, and what its two checkpoint Functions share: the
+    offloaded input, from forward to the feed-forward half's backward; the recomputed attention
+    graph, from there to the attention half's backward."""
+
+    def __init__(self, block: nn.Module, attention_args: tuple) -> None:
+        self.block, self.attention_args = block, attention_args
+        self.saved_input: OffloadedInput | None = None
+        self.recomputed: tuple[GradientEdge, Tensor] | None = None
+
+    def attention_half(self, x: Tensor) -> Tensor:
+        block = self.block
+        return x + block.attention(block.attention_norm(x), *self.attention_args)
+
+    def feed_forward_branch(self, h: Tensor) -> Tensor:
+        block = self.block
+        ffn = block.moe if getattr(block, "moe_enabled", False) else block.feed_forward
+        return ffn(block.ffn_norm(h))
+
+    def feed_forward_half(self, h: Tensor) -> Tensor:
+        return h + self.feed_forward_branch(h)
+
+    def take_recomputed(self) -> tuple[GradientEdge, Tensor]:
+        if self.recomputed is None:
+            raise RuntimeError("offloaded attention half has no recomputed graph (backward through the graph "
+                               "twice needs retain_graph, which offloaded checkpointing does not support)")
+        recomputed, self.recomputed = self.recomputed, None
+        return recomputed
+
+
+def splits_at_h(block: nn.Module) -> bool:
+    """A TorchTitan Llama3/Qwen3 block with no hooks of its own (running its halves skips them)."""
+    hooks = (block._forward_pre_hooks, block._forward_hooks, block._backward_pre_hooks, block._backward_hooks)
+    return isinstance(block, (Llama3Block, Qwen3Block)) and not any(hooks)
+
+
+def attention_args(block: nn.Module, x: Tensor, *args, **kwargs) -> tuple:
+    """What the block's forward passes to its attention after the normed input: (freqs_cis or
+    rope_cache, attention_masks, positions), bound as the block's own signature binds them."""
+    bound = inspect.signature(block.forward).bind(x, *args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())[1:]
+
+
+class OffloadedAttentionHalf(torch.autograd.Function):
+    """``x -> h`` without a graph; x goes to host memory. Backward runs the attention graph that
+    :class:`OffloadedFeedForwardHalf`'s backward recomputed."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, split: SplitBlock, slot_factory) -> Tensor:
+        with torch.no_grad():
+            h = split.attention_half(x)
+        split.saved_input = slot_factory(x)
+        ctx.split = split
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor):
+        edge, x = ctx.split.take_recomputed()
+        torch.autograd.backward(edge, grad_h)
+        return x.grad, None, None
+
+
+class OffloadedFeedForwardHalf(torch.autograd.Function):
+    """``h -> out`` without a graph, keeping nothing (h neither). Backward recomputes the whole
+    block from the fetched input, backpropagates the feed-forward half and returns h's gradient."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, split: SplitBlock) -> Tensor:
+        with torch.no_grad():
+            out = split.feed_forward_half(h)
+        ctx.split = split
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        split = ctx.split
+        x = split.saved_input.fetch().detach().requires_grad_(True)
+        with torch.enable_grad():
+            h = split.attention_half(x)
+            h_leaf = h.detach().requires_grad_(True)
+            branch = split.feed_forward_branch(h_leaf)
+            identity = h_leaf.view_as(h_leaf)  # see below
+        # The attention graph waits for the attention half's backward, which the engine runs
+        # after this one returns and releases grad_out. Only its edge is kept: h itself (the
+        # residual add saves nothing) lives on only as h_leaf, which ffn_norm saves anyway.
+        split.recomputed = (get_gradient_edge(h), x)
+        del h
+        # out = h + branch is not recomputed (one hidden state less). Its two inputs get grad_out
+        # directly: the branch through its edge, h through a view (the add's identity, no
+        # memory). The view's node is newer than the branch's, so the engine runs it first and
+        # h's gradient sums grad_out first, then ffn_norm's contributions, in autograd's order
+        # for the unwrapped block: bit for bit the same gradient.
+        edges = [get_gradient_edge(branch), get_gradient_edge(identity)]
+        del branch, identity
+        torch.autograd.backward(edges, [grad_out, grad_out])
+        return h_leaf.grad, None
 
 
 class OffloadSchedule:
@@ -176,10 +293,16 @@ class OffloadedCheckpointWrapper(ActivationWrapper):
         if not (torch.is_grad_enabled() and x.requires_grad):
             return block(x, *args, **kwargs)
 
+        slot_factory = self.schedule.slot_factory(self.first_block)
+        if splits_at_h(block):
+            split = SplitBlock(block, attention_args(block, x, *args, **kwargs))
+            h = OffloadedAttentionHalf.apply(x, split, slot_factory)
+            return OffloadedFeedForwardHalf.apply(h, split)
+
         def run(inp: Tensor) -> Tensor:
             return block(inp, *args, **kwargs)
 
-        return OffloadedCheckpointFunction.apply(run, x, self.schedule.slot_factory(self.first_block))
+        return OffloadedCheckpointFunction.apply(run, x, slot_factory)
 
 
 def apply_offloaded_ac(model: nn.Module, pin_memory: bool) -> OffloadSchedule:
