@@ -237,3 +237,21 @@ def test_one_rank_mesh_matches_the_module(make, mode: str, u: int | None) -> Non
     torch.testing.assert_close(x_cp.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
     for got, want in zip((p.grad for p in layer.parameters()), ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_biased_projections_rejected_at_conversion() -> None:
+    module = llama3()
+    module.wo = torch.nn.Linear(module.wo.in_features, module.wo.out_features, bias=True)
+    with pytest.raises(ConfigError, match="projections without bias .* wo of this module"):
+        convert_attention(module, "upipe", NoCommMesh(2))
+
+
+def test_upipe_second_backward_raises() -> None:
+    """UPipe's backward reuses its saved output buffer for the query projections' gradients, so a
+    second backward through the same graph must fail loudly, never compute from overwritten data."""
+    layer = convert_attention(llama3(), "upipe", NoCommMesh(1))
+    x = torch.randn(1, 8, 128, requires_grad=True)
+    y = layer(x, precompute_freqs_cis(16, 8), None)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -22,8 +22,9 @@ steps on CPU (``titan_upipe.emulate``; ``tests/test_plan.py``, ``docs/planner.md
   block being run (attention per mode, MLP plain or tiled, RMSNorm plain or tiled), RoPE
   tables, the loss (stock, chunked torch or Liger fused linear cross-entropy);
 * UPipe's attention terms are ``titan_upipe.attention.memory_model`` (validated per stage
-  against measurement in ``tests/test_attention_memory.py``), plus the weight-gradient fp32
-  accumulators and, on GPU, the flash kernel's fp32 dQ accumulator.
+  against measurement in ``tests/test_attention_memory.py``: a stage's backward kernel and the
+  final dX GEMM), plus the weight-gradient fp32 accumulators and, on GPU, the flash kernel's
+  fp32 dQ accumulator.
 
 Everything is bytes per rank. ``peak_gpu_bytes`` is comparable to
 ``torch.cuda.max_memory_allocated`` (what the paper's Table 4 reports). The runtime reserve
@@ -50,6 +51,8 @@ from titan_upipe.attention.memory_model import (
     paper_table6_peak,
     upipe_backward_terms,
     upipe_forward_terms,
+    upipe_input_grad_terms,
+    upipe_kv_projection_columns,
 )
 from titan_upipe.attention.schedule import build_schedule
 from titan_upipe.attention.validation import valid_heads_per_stage
@@ -544,7 +547,8 @@ class _Step:
             fwd.update(self.ring_terms(u, resident_kv, backward=False))
         bwd = {f"UPipe bwd: {k}": v for k, v in upipe_backward_terms(shape, u).items()
                if k != "layer output held by caller"}
-        bwd["UPipe bwd: wq/wk/wv fp32 gradient accumulators"] = (m.q_width + 2 * m.kv_width) * m.dim * 4
+        accumulators = {"UPipe bwd: wq/wk/wv fp32 gradient accumulators": (m.q_width + 2 * m.kv_width) * m.dim * 4}
+        bwd.update(accumulators)
         bwd.update(self.upipe_width_fix(4))
         kernel_out = ("UPipe bwd: dQ from the kernel (U heads)", "UPipe bwd: dK+dV from the kernel")
         if job.ring > 1:
@@ -555,17 +559,28 @@ class _Step:
         kernel.update(self.kernel_bwd(u, resident_kv))
         fwd.update(self.kernel_fwd(u, resident_kv))
         # After a stage's kernel: dQ is sent back and backpropagated through the projection of each
-        # destination's heads (recomputed with RoPE under autograd), dX summed into the fp32
-        # accumulator; in bf16 the product [tokens, dim] exists before that sum (accumulate_matmul).
+        # destination's heads (recomputed, with RoPE under autograd), its gradient written into the
+        # output buffer's slots and the wq rows' gradient accumulated in fp32.
         after = {k: v for k, v in bwd.items() if k not in kernel_out}
         hq = sched.query_heads_per_rank
         rope_rows = 4 * job.local_len * m.head_dim if m.rope == "llama3" else 8 * job.local_len * m.head_dim
-        dx = {**after, "UPipe bwd: recomputed projection and its gradient (one destination)": 2 * hq * self.uh,
-              "UPipe bwd: dX product in compute dtype before fp32 accumulation": self.u if self.a != 4 else 0}
+        dq = {**after, "UPipe bwd: recomputed projection and its gradient (one destination)": 2 * hq * self.uh}
         rope = {**after, "UPipe bwd: RoPE under autograd in projection backprop (one destination)":
                 hq * self.T * m.head_dim * (self.a + 12) + rope_rows}
+        # A KV group's flush (after its last stage): dK/dV sent back, K backpropagated through RoPE
+        # (and k-norm) one destination run at a time into the group's new projection-gradient buffer.
+        group_cols = upipe_kv_projection_columns(shape, u, groups=slice(-1, None))
+        flush = {**after, "UPipe bwd: K/V projections' gradients of the group being flushed": self.T * group_cols * self.a,
+                 "UPipe bwd: RoPE under autograd in K's projection backprop (one run)":
+                 sched.max_kv_heads_per_rank * self.T * m.head_dim * (self.a + 12) + rope_rows}
+        # After the stages: dX as one GEMM over every head's projection gradient (ProjectionGrads).
+        dx = {f"UPipe bwd: {k}": v for k, v in upipe_input_grad_terms(shape, u, weight_bytes=self.p).items()
+              if k != "layer output held by caller"}
+        dx.update(accumulators)
+        dx.update(self.upipe_width_fix(4))
         return {"saved": saved, "fwd": fwd, "fwd_nograd": fwd,
-                "bwd": [("kernel", kernel), ("dX accumulation", dx), ("projection RoPE backprop", rope)]}
+                "bwd": [("kernel", kernel), ("dQ projection backprop", dq), ("projection RoPE backprop", rope),
+                        ("K/V flush", flush), ("dX GEMM", dx)]}
 
     def _ulysses_like(self) -> dict[str, dict[str, int]]:
         """Ulysses (``ulysses_attention``, plain autograd); ring = Ulysses of degree 1 with the
@@ -642,8 +657,10 @@ class _Step:
         terms["block output"] = self.u
         return terms
 
-    def block_forward_peak(self, grad: bool) -> tuple[str, dict[str, int]]:
-        """(where, terms) of the largest moment inside one block's forward, beyond its input."""
+    def block_forward_peak(self, grad: bool, block_output: bool = True) -> tuple[str, dict[str, int]]:
+        """(where, terms) of the largest moment inside one block's forward, beyond its input.
+        ``block_output=False``: the recomputation of offloaded AC, which stops before the final
+        residual add (``offload.OffloadedFeedForwardHalf``)."""
         job, m, u = self.job, self.m, self.u
         att = self.attention()
         cands: list[tuple[str, dict[str, int]]] = []
@@ -657,6 +674,9 @@ class _Step:
             else:
                 mlp = {**self.mlp_saved(), "MLP output (w2)": u}
             cands.append(("MLP", {**before_mlp, **mlp}))
+            if block_output:  # the final residual add: the MLP's output and the block output
+                cands.append(("residual add after the MLP", {**before_mlp, **self.mlp_saved(), "MLP output": u,
+                                                         "block output": u}))
         else:
             cands.append(("attention (no grad)", {"attention_norm output": u, **att["fwd_nograd"]}))
             if job.tiled_mlp:
@@ -664,6 +684,8 @@ class _Step:
             else:
                 mlp = {"MLP intermediates (no grad: 3 x d_ff)": 3 * self.T * m.ffn_dim * self.a, "MLP output (w2)": u}
             cands.append(("MLP (no grad)", {"h = x + attention (residual)": u, "ffn_norm output": u, **mlp}))
+            cands.append(("residual add after the MLP (no grad)", {"h = x + attention (residual)": u, "MLP output": u,
+                                                                   "block output": u}))
         return max(cands, key=lambda c: sum(c[1].values()))
 
     def block_backward_moments(self) -> list[tuple[str, dict[str, int], dict[str, int]]]:
@@ -698,7 +720,7 @@ class _Step:
             mlp_grads = {"unsharded grads: w2": m.dim * m.ffn_dim * p}
         moments = [("MLP backward", {**common, **n1, **att["saved"], **h, **n2, **mlp_bwd}, mlp_grads)]
         if job.ac_mode == "full":  # the recomputation (forward with autograd) before it
-            where, inner = self.block_forward_peak(grad=True)
+            where, inner = self.block_forward_peak(grad=True, block_output=not job.offloaded)
             moments.insert(0, (f"recompute forward ({where})", {**common, **inner}, {}))
         # 2) ffn_norm backward (the MLP's saved tensors are gone, its dX is the norm's incoming grad)
         if job.tiled_rmsnorm:
@@ -714,10 +736,12 @@ class _Step:
         # 3) attention backward (MLP and ffn_norm done; grad of h held for the residual)
         grads = {"unsharded grads: w1, w2, w3": 3 * m.dim * m.ffn_dim * p,
                  "unsharded grads: wo, ffn_norm": m.dim * m.q_width * p + m.dim * p}
+        # The block output's gradient is gone by now: the engine frees it once the feed-forward
+        # half's backward returned dh (offloaded AC splits TorchTitan's blocks at h; without AC or
+        # with TorchTitan's checkpoint it is summed into dh and dropped the same way).
+        attention_common = {k: v for k, v in common.items() if k != "gradient w.r.t. the block output (incoming)"}
         for where, terms in att["bwd"]:
-            att_terms = {**common, **n1, "gradient w.r.t. h (held for the residual)": u, **terms}
-            if "UPipe bwd: grad of the output (H heads)" in att_terms:
-                att_terms["UPipe bwd: dO = wo backward output"] = att_terms.pop("UPipe bwd: grad of the output (H heads)")
+            att_terms = {**attention_common, **n1, "gradient w.r.t. h (held for the residual)": u, **terms}
             moments.append((f"attention backward ({where})", att_terms, grads))
         return moments
 

@@ -73,15 +73,16 @@ def upipe_forward_terms(shape: LayerShape, u: int) -> dict[str, int]:
 
 def upipe_backward_terms(shape: LayerShape, u: int) -> dict[str, int]:
     """Live at the backward peak (the attention backward kernel of a stage), weights frozen,
-    with the layer's output still held by the caller."""
+    with the layer's output still held by the caller. The layer output's gradient is the
+    caller's too (autograd holds it for the residual); dO exists one stage slice at a time
+    (in the send buffer) and dX only after the stages (``ProjectionGrads``)."""
     n_kv, group = _kv_heads_per_rank(shape, u)
     unit, c = shape.head_unit, shape.cp_degree
     kv = 2 * n_kv * c * unit
     terms = {
+        # also holds the gradients of earlier stages' query projections (kept for dX)
         "saved output buffer (H heads)": shape.n_heads * unit,
-        "grad of the output (H heads)": shape.n_heads * unit,
         "LSE (all stages)": shape.lse_bytes,
-        "dX accumulator (fp32)": shape.batch * shape.local_len * shape.dim * 4,
         "layer output held by caller": shape.batch * shape.local_len * shape.dim * shape.elem_bytes,
         "send buffer (U heads)": u * unit,
         "receive buffers Q, Out, dOut (3 U heads)": 3 * u * unit,
@@ -91,7 +92,50 @@ def upipe_backward_terms(shape: LayerShape, u: int) -> dict[str, int]:
     }
     if group > 1:
         terms["dK+dV fp32 sums over the group's stages"] = kv * 4 // shape.elem_bytes
+    finished = upipe_kv_projection_columns(shape, u, groups=slice(None, -1))
+    if finished:  # the last stage's kernel runs after every earlier KV group was flushed
+        terms["K/V projections' gradients of the finished KV groups"] = shape.batch * shape.local_len * finished * shape.elem_bytes
     return terms
+
+
+def upipe_kv_projection_columns(shape: LayerShape, u: int, groups: slice = slice(None)) -> int:
+    """Columns of the K/V projections' gradients UPipe keeps for dX: per KV group, each
+    distinct per-rank KV run's heads, for K and for V (``upipe._flush_kv_grads``); ``groups``
+    selects KV groups (in schedule order)."""
+    schedule = build_schedule(shape.n_heads, shape.n_kv_heads, shape.cp_degree, u)
+    firsts = [stage for stage in schedule.stages if stage.sends_kv][groups]
+    return sum(2 * len(heads) * shape.head_dim for stage in firsts for heads, _ in stage.kv_destinations())
+
+
+INPUT_GRAD_TILES = 8  # upipe.INPUT_GRAD_TILES (not imported: this module has no torch)
+
+
+def upipe_input_grad_terms(shape: LayerShape, u: int, weight_bytes: int | None = None) -> dict[str, int]:
+    """Live at the end of UPipe's backward, in the dX GEMM's last tile (``ProjectionGrads``):
+    the projections' gradients, the stacked ``wq``/K/V rows, dX and one concatenated tile, and
+    the all-to-all buffers (freed after it)."""
+    tokens = shape.batch * shape.local_len
+    a, q_cols = shape.elem_bytes, shape.n_heads * shape.head_dim
+    kv_cols = upipe_kv_projection_columns(shape, u)
+    tile = -(-tokens // INPUT_GRAD_TILES)
+    n_kv, _ = _kv_heads_per_rank(shape, u)
+    return {
+        "output buffer = query projections' gradients (H heads)": shape.n_heads * shape.head_unit,
+        "send buffer, receive buffers Q, Out, dOut, resident K+V (kept to the end)":
+            4 * u * shape.head_unit + 2 * n_kv * shape.cp_degree * shape.head_unit,
+        "LSE (all stages)": shape.lse_bytes,
+        "layer output held by caller": tokens * shape.dim * a,
+        "K/V projections' gradients": tokens * kv_cols * a,
+        "stacked wq and K/V rows": (q_cols + kv_cols) * shape.dim * (weight_bytes or a),
+        "dX": tokens * shape.dim * a,
+        "dX GEMM operand tile": tile * (q_cols + kv_cols) * a,
+    }
+
+
+def upipe_backward_peak(shape: LayerShape, u: int, weight_bytes: int | None = None) -> int:
+    """The larger of the two backward moments (a stage's kernel, the dX GEMM)."""
+    return max(sum(upipe_backward_terms(shape, u).values()),
+               sum(upipe_input_grad_terms(shape, u, weight_bytes).values()))
 
 
 def _gamma_beta(shape: LayerShape) -> tuple[float, float]:

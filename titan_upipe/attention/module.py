@@ -71,6 +71,10 @@ class AttentionSpec:
                 f"attn_type={module.attn_type!r} uses document masks, which come in a later issue: "
                 "set the model's attn_type to 'sdpa' (causal) for ulysses/upipe"
             )
+        biased = [name for name in ("wq", "wk", "wv", "wo") if getattr(module, name).bias is not None]
+        if biased:
+            raise ConfigError(f"context-parallel attention supports projections without bias (Llama3, Qwen3); "
+                              f"{', '.join(biased)} of this module have one")
         q_norm = getattr(module, "q_norm", None)
         return cls(
             source_class=type(module),
@@ -186,10 +190,9 @@ class ContextParallelAttention(nn.Module):
         weights = (self.wq.weight, self.wk.weight, self.wv.weight, *norms)
         if self.mode in ("ulysses", "ring", "usp"):
             # ring: Ulysses with one rank; usp: Ulysses whose kernel is the ring.
-            out = ulysses_attention(x, *weights, run)
-        else:
-            out = UPipeAttentionFunction.apply(x, *weights, run)
-        return self.wo(out)
+            return self.wo(ulysses_attention(x, *weights, run))
+        # UPipe applies wo itself: its backward forms dO one stage slice at a time, never whole.
+        return UPipeAttentionFunction.apply(x, *weights[:3], self.wo.weight, *norms, run)
 
 
 def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_per_stage: int | None = None,

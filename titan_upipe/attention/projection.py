@@ -108,7 +108,8 @@ class HeadProjection:
     in_place_rope: bool = False
     """Rotate in place (:func:`rotate_`) where no gradient is recorded: the ``fused_rope`` transform."""
 
-    def _rows(self, weight: Tensor, heads: tuple[int, ...]) -> Tensor:
+    def rows(self, weight: Tensor, heads: tuple[int, ...]) -> Tensor:
+        """The rows of ``weight`` (``wq``/``wk``/``wv``) that project ``heads`` (a contiguous run)."""
         return weight[heads[0] * self.head_dim : (heads[-1] + 1) * self.head_dim]
 
     def _transform(self, p: Tensor, norm_weight: Tensor | None, use_rope: bool, use_norm: bool) -> Tensor:
@@ -127,22 +128,25 @@ class HeadProjection:
     ) -> Tensor:
         """Heads ``heads`` (a contiguous run) of ``x @ weight.T``, normed and rotated: ``[B, L, h, D]``."""
         b, seq = x.shape[:2]
-        p = F.linear(x, self._rows(weight, heads)).view(b, seq, len(heads), self.head_dim)
+        p = F.linear(x, self.rows(weight, heads)).view(b, seq, len(heads), self.head_dim)
         return self._transform(p, norm_weight, use_rope, use_norm)
 
     def backprop(
         self, x: Tensor, weight: Tensor, heads: tuple[int, ...], grad_heads: Tensor, *,
-        grad_x: Tensor | None, grad_weight: Tensor | None, norm_weight: Tensor | None = None,
+        grad_projection: Tensor | None, grad_weight: Tensor | None, norm_weight: Tensor | None = None,
         grad_norm_weight: Tensor | None = None, use_rope: bool = True, use_norm: bool = False,
     ) -> None:
-        """Accumulate (fp32) the gradients of ``project`` given ``grad_heads`` ``[B, L, h, D]``.
+        """Backpropagate ``grad_heads`` ``[B, L, h, D]`` through ``project``'s RoPE and norm.
 
         Norm and RoPE are recomputed from a fresh projection and differentiated by autograd on
-        this small local graph; the projection's own gradients are two matmuls into the
-        full-size fp32 accumulators (``grad_weight`` rows of these heads only).
+        this small local graph. The weight gradient is one matmul into the full-size fp32
+        accumulator ``grad_weight`` (rows of these heads only); the gradient of the projection
+        itself (``x @ rows.T``) is written into ``grad_projection`` ``[B, L, h, D]``: the caller
+        multiplies the projections of every head by their weights in one GEMM (see
+        ``upipe.input_grad``), which sums them in fp32.
         """
         b, seq, dim = x.shape
-        rows = self._rows(weight, heads)
+        rows = self.rows(weight, heads)
         width = rows.shape[0]
         if use_rope or use_norm:
             with torch.no_grad():
@@ -157,17 +161,18 @@ class HeadProjection:
                         leaves.append(w_norm)
                 out = self._transform(p, w_norm, use_rope, use_norm)
                 grads = torch.autograd.grad(out, leaves, grad_heads)
-            grad_p = grads[0].reshape(b * seq, width)
+            grad_p = grads[0]
             if grad_norm_weight is not None:
                 grad_norm_weight.add_(grads[1])
             del grads, out, p
         else:
-            grad_p = grad_heads.reshape(b * seq, width)
-        if grad_x is not None:
-            accumulate_matmul(grad_x.view(b * seq, dim), grad_p, rows)
+            grad_p = grad_heads
         if grad_weight is not None:
             start = heads[0] * self.head_dim
-            accumulate_matmul(grad_weight[start : start + width], grad_p.t(), x.reshape(b * seq, dim))
+            accumulate_matmul(grad_weight[start : start + width], grad_p.reshape(b * seq, width).t(),
+                              x.reshape(b * seq, dim))
+        if grad_projection is not None:
+            grad_projection.copy_(grad_p)
 
 
 def accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:

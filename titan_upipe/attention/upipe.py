@@ -12,12 +12,19 @@ Forward, per stage (``h = U/C`` query heads per rank, ``L = S/C`` local tokens):
 4. out goes into the same send buffer, all-to-all back into the same receive buffer,
    and is copied into its heads' slot of the one output buffer allocated up front.
 
-Only ``x``, that output buffer (the stage-independent attention output before ``wo``)
-and the per-stage LSE are saved. Backward replays the schedule: it recomputes each
-stage's projections, norms, RoPE and all-to-alls, runs the backend's backward, sends
-dQ back at once and dK/dV back when a KV group is finished (summed over its query stages
-in fp32), and accumulates dX, dWq/dWk/dWv (full-size buffers, only this stage's rows)
-and the norm weights in fp32, cast once at the end.
+The layer's ``wo`` is applied inside the function. Only ``x``, the output buffer (the
+stage-independent attention output before ``wo``) and the per-stage LSE are saved.
+
+Backward computes ``wo``'s gradient first (the output buffer's last full use), then replays
+the schedule: it recomputes each stage's projections, norms, RoPE and all-to-alls, forms the
+stage's dO slice from the layer output's gradient (``grad_y @ wo[:, heads]``: the full dO is
+never formed), runs the backend's backward, sends dQ back at once and dK/dV back when a KV
+group is finished (summed over its query stages in fp32). The projections' gradients are
+kept in the compute dtype -- the query heads' in their output-buffer slots, which are free
+by then -- and dX is one GEMM over all heads at the end (fp32 accumulation inside the GEMM,
+one rounding), so no ``[tokens, dim]`` fp32 accumulator exists during the stages.
+dWq/dWk/dWv (full-size buffers, only this stage's rows) and the norm weights accumulate in
+fp32 and are cast once at the end.
 
 Buffers: one flat send buffer, one (forward) or three (backward) flat receive buffers and
 the resident K/V pair are allocated once per call, sized for the widest exchange, and
@@ -31,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from titan_upipe.attention.collectives import all_to_all, heads_view, seq_major
@@ -143,10 +151,10 @@ def _kv_group_sizes(stages: tuple[Stage, ...]) -> list[int]:
 
 
 @dataclass
-class GradAccumulators:
-    """fp32 gradients summed over stages; None where autograd does not need them."""
+class WeightGradAccumulators:
+    """fp32 weight gradients summed over stages (K/V rows over KV groups that share a head);
+    None where autograd does not need them."""
 
-    x: Tensor | None
     wq: Tensor | None
     wk: Tensor | None
     wv: Tensor | None
@@ -154,16 +162,75 @@ class GradAccumulators:
     k_norm: Tensor | None
 
     @classmethod
-    def zeros(cls, needs: tuple[bool, ...], *inputs: Tensor | None) -> GradAccumulators:
+    def zeros(cls, needs: tuple[bool, ...], *weights: Tensor | None) -> WeightGradAccumulators:
         return cls(*[
             torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need and t is not None else None
-            for need, t in zip(needs, inputs, strict=True)
+            for need, t in zip(needs, weights, strict=True)
         ])
+
+    def cast(self, like: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        grads = (self.wq, self.wk, self.wv, self.q_norm, self.k_norm)
+        return tuple(None if g is None else g.to(w.dtype) for g, w in zip(grads, like, strict=True))
+
+
+INPUT_GRAD_TILES = 8
+"""Token tiles of the final dX GEMM: its concatenated operand is 1/8 of [tokens, (H+2KV)*D].
+(``memory_model.INPUT_GRAD_TILES`` mirrors it.)"""
+
+
+@dataclass
+class ProjectionGrads:
+    """Gradients of the projections (``x @ rows.T``, before norm and RoPE) kept until dX.
+
+    dX is their sum over every head (all stages, all KV groups) times the weights. Instead of
+    an fp32 ``[tokens, dim]`` accumulator updated per stage, the gradients are kept in the
+    compute dtype (query heads in the output buffer's slots, freed by then; K/V in one
+    buffer per KV group) and multiplied once by the stacked weights: the GEMM sums over all
+    heads in fp32 and rounds once.
+    """
+
+    queries: Tensor
+    """``[tokens, H*D]``: the output buffer, slot of head h = dQ projection of head h."""
+    kv: list[Tensor]
+    """Per KV group, ``[tokens, width]``: its K then V runs' projection gradients."""
+    kv_rows: list[Tensor]
+    """The ``wk``/``wv`` rows of each column block of ``kv`` (in order)."""
+
+    def input_grad(self, wq: Tensor) -> Tensor:
+        """dX ``[tokens, dim]`` = ``[dQ | dK, dV parts] @ [wq; their rows]``, tile by tile."""
+        weight = torch.cat([wq, *self.kv_rows]) if self.kv_rows else wq
+        tokens = self.queries.shape[0]
+        grad_x = self.queries.new_empty(tokens, weight.shape[1])
+        tile = -(-tokens // INPUT_GRAD_TILES)
+        for start in range(0, tokens, tile):
+            rows = slice(start, start + tile)
+            operand = torch.cat([self.queries[rows], *(g[rows] for g in self.kv)], dim=1)
+            torch.mm(operand, weight, out=grad_x[rows])
+            del operand
+        return grad_x
+
+
+def _project_output_grad(grad_y: Tensor, wo: Tensor, stage: Stage, head_dim: int, send: Tensor) -> None:
+    """dO of each destination's heads, ``grad_y @ wo[:, heads]`` (``grad_y`` ``[B, L, dim]``),
+    into ``send``: the stage's slice only, so the full dO ``[tokens, H*D]`` never exists."""
+    b, seq, dim = grad_y.shape
+    for rank, heads in enumerate(stage.query_heads_per_rank):
+        cols = wo[:, heads[0] * head_dim : (heads[-1] + 1) * head_dim]
+        grad_out = torch.mm(grad_y.view(b * seq, dim), cols).view(b, seq, len(heads), head_dim)
+        send[rank].copy_(grad_out.transpose(0, 1))
+        del grad_out
 
 
 class UPipeAttentionFunction(torch.autograd.Function):
+    """UPipe attention and ``wo``: ``x`` ``[B, L, dim]`` -> the layer output ``[B, L, dim]``.
+
+    ``wo`` is inside so that backward can form dO one stage slice at a time from the layer
+    output's gradient (which autograd holds for the residual anyway) instead of receiving the
+    full ``[tokens, H*D]`` dO from ``wo``'s backward.
+    """
+
     @staticmethod
-    def forward(ctx, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, q_norm_weight: Tensor | None,
+    def forward(ctx, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, q_norm_weight: Tensor | None,
                 k_norm_weight: Tensor | None, run: AttentionRun) -> Tensor:
         schedule = run.schedule
         b, seq, _ = x.shape
@@ -190,20 +257,28 @@ class UPipeAttentionFunction(torch.autograd.Function):
             _scatter_stage_heads(recv, stage, output_heads)
         del kv, buffers, send, recv
         ctx.run = run
-        ctx.save_for_backward(x, wq, wk, wv, q_norm_weight, k_norm_weight, output, *lses)
-        return output
+        ctx.save_for_backward(x, wq, wk, wv, wo, q_norm_weight, k_norm_weight, output, *lses)
+        return F.linear(output, wo)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: Tensor):
+    def backward(ctx, grad_y: Tensor):
         run: AttentionRun = ctx.run
         schedule, proj, d = run.schedule, run.projection, run.head_dim
         hq = schedule.query_heads_per_rank
-        x, wq, wk, wv, q_norm_weight, k_norm_weight, output, *lses = ctx.saved_tensors
-        b, seq, _ = x.shape
+        x, wq, wk, wv, wo, q_norm_weight, k_norm_weight, output, *lses = ctx.saved_tensors
+        b, seq, dim = x.shape
+        needs_x, needs_wo = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        grad_y = grad_y.contiguous()
+        flat_output = output.view(b * seq, schedule.n_heads * d)
+        # wo's gradient first: it is the last use of the whole output buffer, whose head slots
+        # then take the query projections' gradients, stage by stage.
+        grad_wo = grad_y.view(b * seq, dim).t().mm(flat_output) if needs_wo else None
         output_heads = output.view(b, seq, schedule.n_heads, d)
-        grad_heads = grad_output.contiguous().view(b, seq, schedule.n_heads, d)
-        acc = GradAccumulators.zeros(ctx.needs_input_grad[:6], x, wq, wk, wv, q_norm_weight, k_norm_weight)
+        weights = (wq, wk, wv, q_norm_weight, k_norm_weight)
+        needs = tuple(ctx.needs_input_grad[i] for i in (1, 2, 3, 5, 6))
+        acc = WeightGradAccumulators.zeros(needs, *weights)
+        grads = ProjectionGrads(flat_output, [], []) if needs_x else None
 
         buffers = StageBuffers.allocate(x, schedule, d, n_recv=3)
         send = buffers.view(buffers.send, hq)
@@ -214,7 +289,7 @@ class UPipeAttentionFunction(torch.autograd.Function):
         for stage, lse, group_size in zip(schedule.stages, lses, _kv_group_sizes(schedule.stages), strict=True):
             if stage.sends_kv:
                 if kv_stage is not None:
-                    _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, run, buffers)
+                    _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, grads, run, buffers)
                 kv = grad_k = grad_v = None
                 kv = _exchange_kv(x, wk, wv, k_norm_weight, stage, run, buffers)
                 kv_stage = stage
@@ -227,7 +302,7 @@ class UPipeAttentionFunction(torch.autograd.Function):
             all_to_all(send, recv_q, run.group)
             _gather_stage_heads(output_heads, stage, send)
             all_to_all(send, recv_out, run.group)
-            _gather_stage_heads(grad_heads, stage, send)
+            _project_output_grad(grad_y, wo, stage, d, send)
             all_to_all(send, recv_dout, run.group)
             k, v, kv_index = kv.for_stage(stage, run)
             dq, dk, dv = run.backend.backward(
@@ -245,40 +320,58 @@ class UPipeAttentionFunction(torch.autograd.Function):
             del dq
             all_to_all(send, recv_q, run.group)  # dQ of my tokens, chunk j = rank j's heads
             for rank, heads in enumerate(stage.query_heads_per_rank):
+                # These heads' output slots were last read above (recv_out): they now keep the
+                # gradient of the heads' projections until dX.
+                slot = output_heads[:, :, heads[0] : heads[-1] + 1] if needs_x else None
                 proj.backprop(
-                    x, wq, heads, recv_q[rank].transpose(0, 1), grad_x=acc.x, grad_weight=acc.wq,
+                    x, wq, heads, recv_q[rank].transpose(0, 1), grad_projection=slot, grad_weight=acc.wq,
                     norm_weight=q_norm_weight, grad_norm_weight=acc.q_norm, use_norm=run.qk_norm,
                 )
         del kv
-        _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, run, buffers)
-        del grad_k, grad_v, buffers, send, recv_q, recv_out, recv_dout
-
-        def cast(grad: Tensor | None, like: Tensor | None) -> Tensor | None:
-            return None if grad is None else grad.to(like.dtype)
-
-        return (cast(acc.x, x), cast(acc.wq, wq), cast(acc.wk, wk), cast(acc.wv, wv),
-                cast(acc.q_norm, q_norm_weight), cast(acc.k_norm, k_norm_weight), None)
+        _flush_kv_grads(x, wk, wv, k_norm_weight, kv_stage, grad_k, grad_v, acc, grads, run, buffers)
+        del grad_k, grad_v
+        grad_x = grads.input_grad(wq).view(b, seq, dim) if needs_x else None
+        # The all-to-all buffers go last: freed earlier, the dX GEMM's peak would depend on when
+        # gloo's thread lets go of them (module docstring). At the paper's shapes the kernel
+        # moment, not this one, is the backward peak, so keeping them costs nothing there.
+        del grads, buffers, send, recv_q, recv_out, recv_dout
+        grad_wq, grad_wk, grad_wv, grad_q_norm, grad_k_norm = acc.cast(weights)
+        return grad_x, grad_wq, grad_wk, grad_wv, grad_wo, grad_q_norm, grad_k_norm, None
 
 
 def _flush_kv_grads(x: Tensor, wk: Tensor, wv: Tensor, k_norm_weight: Tensor | None, stage: Stage,
-                    grad_k: Tensor, grad_v: Tensor, acc: GradAccumulators, run: AttentionRun,
-                    buffers: StageBuffers) -> None:
+                    grad_k: Tensor, grad_v: Tensor, acc: WeightGradAccumulators, grads: ProjectionGrads | None,
+                    run: AttentionRun, buffers: StageBuffers) -> None:
     """Send a finished KV group's dK/dV (``[S, B, h_kv, D]``) back to the ranks that own the
-    tokens and backprop them through V's projection and K's norm/RoPE/projection."""
-    n_kv = len(stage.kv_heads_per_rank[0])
+    tokens, backprop them through K's norm/RoPE into the weight accumulators, and keep their
+    projections' gradients (one new ``grads.kv`` buffer) for dX."""
+    b, seq, _ = x.shape
+    n_kv, d = len(stage.kv_heads_per_rank[0]), run.head_dim
     send, recv = buffers.view(buffers.send, n_kv), buffers.view(buffers.recv[0], n_kv)
+    runs = stage.kv_destinations()
+    width = sum(len(heads) for heads, _ in runs) * d
+    group_grads = x.new_empty(b * seq, 2 * width) if grads is not None else None
+    column = 0
     for grad_full, weight, is_key in ((grad_k, wk, True), (grad_v, wv, False)):
         # Communicated in the model dtype like every other activation gradient.
         send.view(grad_full.shape).copy_(grad_full)
         all_to_all(send, recv, run.group)
-        for heads, ranks in stage.kv_destinations():
+        for heads, ranks in runs:
             # Replicated K/V (C > KV): the copies' gradients add up, in fp32.
             grad_kv = recv[ranks[0]] if len(ranks) == 1 else recv[ranks].float().sum(0).to(x.dtype)
+            slot = None
+            if group_grads is not None:
+                cols = len(heads) * d
+                slot = group_grads[:, column : column + cols].view(b, seq, len(heads), d)
+                grads.kv_rows.append(run.projection.rows(weight, heads))
+                column += cols
             run.projection.backprop(
-                x, weight, heads, grad_kv.transpose(0, 1), grad_x=acc.x,
+                x, weight, heads, grad_kv.transpose(0, 1), grad_projection=slot,
                 grad_weight=acc.wk if is_key else acc.wv,
                 norm_weight=k_norm_weight if is_key else None,
                 grad_norm_weight=acc.k_norm if is_key else None,
                 use_rope=is_key, use_norm=is_key and run.qk_norm,
             )
             del grad_kv
+    if group_grads is not None:
+        grads.kv.append(group_grads)
