@@ -107,7 +107,9 @@ def upipe_kv_projection_columns(shape: LayerShape, u: int, groups: slice = slice
     return sum(2 * len(heads) * shape.head_dim for stage in firsts for heads, _ in stage.kv_destinations())
 
 
-INPUT_GRAD_TILES = 8  # upipe.INPUT_GRAD_TILES (not imported: this module has no torch)
+INPUT_GRAD_TILES = 8
+"""Token tiles of UPipe's final dX GEMM (``upipe.ProjectionGrads``): its concatenated operand
+is 1/8 of ``[tokens, (H+2KV)*D]``. Defined here, where the term model needs it without torch."""
 
 
 def upipe_input_grad_terms(shape: LayerShape, u: int, weight_bytes: int | None = None) -> dict[str, int]:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from titan_upipe.attention.collectives import all_to_all, heads_view, seq_major
+from titan_upipe.attention.memory_model import INPUT_GRAD_TILES
 from titan_upipe.attention.run import AttentionRun
 from titan_upipe.attention.schedule import HeadSchedule, Stage
 
@@ -171,11 +172,6 @@ class WeightGradAccumulators:
     def cast(self, like: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         grads = (self.wq, self.wk, self.wv, self.q_norm, self.k_norm)
         return tuple(None if g is None else g.to(w.dtype) for g, w in zip(grads, like, strict=True))
-
-
-INPUT_GRAD_TILES = 8
-"""Token tiles of the final dX GEMM: its concatenated operand is 1/8 of [tokens, (H+2KV)*D].
-(``memory_model.INPUT_GRAD_TILES`` mirrors it.)"""
 
 
 @dataclass
