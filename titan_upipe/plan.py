@@ -565,14 +565,17 @@ class _Step:
         hq = sched.query_heads_per_rank
         rope_rows = 4 * job.local_len * m.head_dim if m.rope == "llama3" else 8 * job.local_len * m.head_dim
         dq = {**after, "UPipe bwd: recomputed projection and its gradient (one destination)": 2 * hq * self.uh}
-        rope = {**after, "UPipe bwd: RoPE under autograd in projection backprop (one destination)":
-                hq * self.T * m.head_dim * (self.a + 12) + rope_rows}
+
+        def rope_backprop(n_heads: int) -> int:  # RoPE of n_heads recomputed and differentiated
+            return n_heads * self.T * m.head_dim * (self.a + 12) + rope_rows
+
+        rope = {**after, "UPipe bwd: RoPE under autograd in projection backprop (one destination)": rope_backprop(hq)}
         # A KV group's flush (after its last stage): dK/dV sent back, K backpropagated through RoPE
         # (and k-norm) one destination run at a time into the group's new projection-gradient buffer.
         group_cols = upipe_kv_projection_columns(shape, u, groups=slice(-1, None))
         flush = {**after, "UPipe bwd: K/V projections' gradients of the group being flushed": self.T * group_cols * self.a,
                  "UPipe bwd: RoPE under autograd in K's projection backprop (one run)":
-                 sched.max_kv_heads_per_rank * self.T * m.head_dim * (self.a + 12) + rope_rows}
+                 rope_backprop(sched.max_kv_heads_per_rank)}
         # After the stages: dX as one GEMM over every head's projection gradient (ProjectionGrads).
         dx = {f"UPipe bwd: {k}": v for k, v in upipe_input_grad_terms(shape, u, weight_bytes=self.p).items()
               if k != "layer output held by caller"}

@@ -120,11 +120,12 @@ def upipe_input_grad_terms(shape: LayerShape, u: int, weight_bytes: int | None =
     a, q_cols = shape.elem_bytes, shape.n_heads * shape.head_dim
     kv_cols = upipe_kv_projection_columns(shape, u)
     tile = -(-tokens // INPUT_GRAD_TILES)
-    n_kv, _ = _kv_heads_per_rank(shape, u)
+    kernel = upipe_backward_terms(shape, u)
+    buffers = ("send buffer (U heads)", "receive buffers Q, Out, dOut (3 U heads)", "resident K+V")
     return {
         "output buffer = query projections' gradients (H heads)": shape.n_heads * shape.head_unit,
         "send buffer, receive buffers Q, Out, dOut, resident K+V (kept to the end)":
-            4 * u * shape.head_unit + 2 * n_kv * shape.cp_degree * shape.head_unit,
+            sum(kernel[name] for name in buffers),
         "LSE (all stages)": shape.lse_bytes,
         "layer output held by caller": tokens * shape.dim * a,
         "K/V projections' gradients": tokens * kv_cols * a,

@@ -143,7 +143,7 @@ class HeadProjection:
         accumulator ``grad_weight`` (rows of these heads only); the gradient of the projection
         itself (``x @ rows.T``) is written into ``grad_projection`` ``[B, L, h, D]``: the caller
         multiplies the projections of every head by their weights in one GEMM (see
-        ``upipe.input_grad``), which sums them in fp32.
+        ``upipe.ProjectionGrads.input_grad``), which sums them in fp32.
         """
         b, seq, dim = x.shape
         rows = self.rows(weight, heads)
