@@ -124,8 +124,9 @@ def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
         "parallelism": parallelism,
     }
     if recipe.method:
-        # SDPA runs everywhere (flash kernels on H100 in bf16); flash-attn is optional.
-        upipe: dict[str, object] = {"attention_backend": "sdpa"}
+        # GPU: the fastest installed kernel that honours the backend contract (flash-attn-4 with
+        # the [gpu] extra, else torch's fused SDPA kernels); CPU: torch's SDPA kernel, named.
+        upipe: dict[str, object] = {"attention_backend": "auto" if recipe.gpu else "sdpa"}
         if recipe.method in ("upipe", "upipe_usp"):
             upipe["heads_per_stage"] = 0
         if recipe.ulysses_degree:

@@ -60,20 +60,22 @@ def test_processor_replaces_torchtitan_attention_term():
     assert proc.num_flops_per_token == -1
 
 
-def _custom_scalars_layouts(run_dir: str) -> list[bytes]:
+def _plugin_values(run_dir: str, plugin: str) -> list[tuple[str, bytes]]:
+    """(tag, payload) of every summary of one TensorBoard plugin in the run."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    layouts = []
+    values = []
     for path in glob.glob(f"{run_dir}/events.out.tfevents.*"):
         for event in EventFileLoader(path).Load():
             for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == "custom_scalars":
-                    layouts.append(value.tensor.string_val[0])
-    return layouts
+                if value.metadata.plugin_data.plugin_name == plugin:
+                    values.append((value.tag, value.tensor.string_val[0]))
+    return values
 
 
 def test_dashboard_tags_of_a_upipe_run(tmp_path):
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", tmp_path, "--training.steps", "3")
+    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", tmp_path, "--training.steps", "3",
+             "--upipe.attention_backend", "auto")
     scalars = read_scalars(tmp_path)
     final = {tag: values[-1][1] for tag, values in scalars.items()}
     expected = {tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags}
@@ -92,6 +94,11 @@ def test_dashboard_tags_of_a_upipe_run(tmp_path):
     assert final["memory/offload_host_gib"] == 0  # no offload in this config
     assert math.isclose(final["loss/global_avg"], final["loss_metrics/global_avg_loss"])
     runs = sorted(glob.glob(str(tmp_path / "tb" / "*")))
-    layouts = _custom_scalars_layouts(runs[-1])
+    layouts = [payload for _, payload in _plugin_values(runs[-1], "custom_scalars")]
     assert len(layouts) == 1
     assert all(name.encode() in layouts[0] for name in ("Loss", "Throughput", "Memory"))
+    # The kernel "auto" resolved to, with why the faster ones were passed over (fp32 config).
+    texts = dict(_plugin_values(runs[-1], "text"))
+    choice = texts["upipe/attention_backend/text_summary"].decode()
+    assert choice.startswith("attention backend auto -> sdpa (passed over flash_attn4: attention backend "
+                             "'flash_attn4' runs float16, bfloat16 inputs, not float32")

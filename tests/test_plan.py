@@ -189,7 +189,8 @@ def test_cli_reads_a_job_config(capsys, config, world, mode):
         assert info["device"] == "cpu" and info["runtime_reserve_gib"] == 0
     else:
         assert info["device"] == "cuda" and info["seq_len"] == 5 * 2**20
-        assert info["job"]["attention_backend"] == "sdpa" and info["job"]["tiled_mlp"]
+        # the recipe's "auto", planned as what it resolves to on the target GPUs with the [gpu] extra
+        assert info["job"]["attention_backend"] == P.PLAN_AUTO_BACKEND == "flash_attn4" and info["job"]["tiled_mlp"]
     # human-readable form and overrides
     assert P.main(["--job.config_file", str(REPO / config), "--world-size", world,
                    "--training.seq_len", "4096"]) == 0

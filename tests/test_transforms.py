@@ -238,7 +238,10 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
     from titan_upipe.converters import UPipeConverter
 
     converter = UPipeConverter.__new__(UPipeConverter)
-    converter.cp_mesh, converter.heads_per_stage, converter.backend = _OneRankMesh(), None, "sdpa"
+    from titan_upipe.attention.backends import BackendChoice
+
+    converter.cp_mesh, converter.heads_per_stage = _OneRankMesh(), None
+    converter.backend_choice, converter.compute_dtype = BackendChoice("sdpa", "sdpa"), torch.float32
     plain, fused = llama3(), llama3()
     fused.load_state_dict(plain.state_dict())
     converter.convert(plain)

@@ -13,7 +13,7 @@ the valid choices: a bad value fails before any process group starts.
 
 from dataclasses import dataclass, field
 
-ATTENTION_BACKENDS = ("sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4")
+ATTENTION_BACKENDS = ("auto", "sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4")
 KERNEL_BACKENDS = ("auto", "torch", "liger")
 
 
@@ -34,9 +34,11 @@ class UPipe:
     """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that
     divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice)."""
 
-    attention_backend: str = "sdpa"
-    """Local attention kernel: sdpa (CPU and GPU), math (explicit fp32 reference, any device),
-    flash_attn, flash_attn3, flash_attn4 (GPU, when installed)."""
+    attention_backend: str = "auto"
+    """Local attention kernel: auto (at conversion, the fastest installed one that runs the
+    training dtype: flash_attn4 > flash_attn3 > flash_attn > sdpa; logged and written to
+    TensorBoard), sdpa (torch's fused kernels, CPU and GPU), math (explicit fp32 reference, any
+    device), flash_attn, flash_attn3, flash_attn4 (GPU, fp16/bf16, when installed)."""
 
     ulysses_degree: int = 0
     """Ulysses (all-to-all) degree inside the CP mesh; the rest is ring. 0 means all of CP is Ulysses."""

@@ -5,7 +5,8 @@ TorchTitan applies converters on the meta device, before ``parallelize_fn`` and
 checkpoints and weight initialisation see the unconverted parameter names.
 The mesh is derived from ``parallel_dims``' CP mesh and ``[upipe] ulysses_degree``
 (``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and
-the kernel come from ``[upipe]``.
+the kernel come from ``[upipe]`` (``attention_backend = "auto"`` is resolved here, once, and
+logged with the reasons faster kernels were passed over).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torchtitan.tools.logging import logger
 from titan_upipe.attention import convert_attention
 from titan_upipe.config import ConfigError
 from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
-from titan_upipe.validation import check_context_parallel
+from titan_upipe.validation import attention_backend_choice, check_context_parallel, compute_dtype
 
 
 class _ContextParallelAttentionConverter:
@@ -29,7 +30,9 @@ class _ContextParallelAttentionConverter:
         check_context_parallel(job_config)
         self.cp_mesh = context_parallel_mesh(parallel_dims.get_mesh("cp"), self.mode, job_config.upipe.ulysses_degree)
         self.heads_per_stage = job_config.upipe.heads_per_stage if self.mode == "upipe" else None
-        self.backend = job_config.upipe.attention_backend
+        # Resolved once here (auto included): every block gets the same kernel.
+        self.backend_choice = attention_backend_choice(job_config)
+        self.compute_dtype = compute_dtype(job_config)
 
     def convert(self, model: nn.Module) -> None:
         # fused_rope may have run first (converters apply in model.converters order).
@@ -37,11 +40,13 @@ class _ContextParallelAttentionConverter:
         for block in model.layers.values():
             block.attention = convert_attention(
                 block.attention, self.mode, self.cp_mesh,
-                heads_per_stage=self.heads_per_stage, backend=self.backend, in_place_rope=in_place_rope,
+                heads_per_stage=self.heads_per_stage, backend=self.backend_choice.name, in_place_rope=in_place_rope,
+                compute_dtype=self.compute_dtype,
             )
         model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
-        logger.info("Converted attention to %s over a CP mesh of %d ranks (%s)", self.mode, self.cp_mesh.size(),
-                    dict(zip(self.cp_mesh.mesh_dim_names or (), self.cp_mesh.shape, strict=True)))
+        logger.info("Converted attention to %s over a CP mesh of %d ranks (%s), %s", self.mode, self.cp_mesh.size(),
+                    dict(zip(self.cp_mesh.mesh_dim_names or (), self.cp_mesh.shape, strict=True)),
+                    self.backend_choice.describe())
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass

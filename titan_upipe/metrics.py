@@ -81,6 +81,7 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._set_flops_model(job_config, model_args)
         super().__init__(job_config, parallel_dims, tag)
         self._write_custom_scalars_layout()
+        self._write_attention_backend(job_config)
 
     def _set_flops_model(self, job_config, model_args) -> None:
         self._flops_per_token = -1
@@ -102,11 +103,24 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._flops_per_token = value if value <= 0 else value - self._attention_overcount
 
     def _write_custom_scalars_layout(self) -> None:
+        for writer in self._tensorboard_writers():
+            writer.add_custom_scalars(CUSTOM_SCALARS_LAYOUT)
+
+    def _tensorboard_writers(self) -> list:
         # TorchTitan wraps its loggers in a LoggerContainer; ranks that do not log hold none.
         loggers = getattr(self.logger, "_loggers", [self.logger])
-        for tb_logger in loggers:
-            if isinstance(tb_logger, TensorBoardLogger):
-                tb_logger.writer.add_custom_scalars(CUSTOM_SCALARS_LAYOUT)
+        return [tb.writer for tb in loggers if isinstance(tb, TensorBoardLogger)]
+
+    def _write_attention_backend(self, job_config) -> None:
+        """The kernel the attention converter runs (``auto`` resolved), as the run's text tag
+        ``upipe/attention_backend``: the same pure resolution the converter logged."""
+        from titan_upipe.validation import attention_backend_choice, cp_mode
+
+        if cp_mode(job_config.model.converters) is None:
+            return
+        text = attention_backend_choice(job_config).describe()
+        for writer in self._tensorboard_writers():
+            writer.add_text("upipe/attention_backend", text, 0)
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:

@@ -61,6 +61,10 @@ GIB = 2**30
 K = 1024
 MODES = ("none", "ulysses", "upipe", "ring", "usp", "upipe-in-usp")
 
+PLAN_AUTO_BACKEND = "flash_attn4"
+"""What ``attention_backend = "auto"`` resolves to on the GPUs the recipes target (Hopper with
+the ``[gpu]`` extra, which installs flash-attn-4); the planner predicts another machine, so it
+cannot probe what is installed there."""
 RUNTIME_RESERVE_GIB_CUDA = 2.0
 """Device memory a CUDA rank uses outside PyTorch's allocated tensors, kept free when deciding
 whether a plan fits (never added to ``peak_gpu_bytes``): the CUDA context and kernel images
@@ -499,14 +503,20 @@ class _Step:
 
     def kernel_fwd(self, q_units: int, kv_units: int) -> dict[str, int]:
         """Extra bytes inside the local attention kernel's forward (CUDA; ``backends.py``)."""
-        if not self.cuda or self.job.attention_backend != "sdpa" or q_units <= kv_units:
+        if not self.cuda or not self._sdpa_expands_kv(q_units, kv_units):
             return {}
-        # the sdpa backend expands K/V to the query heads (repeat_interleave) for aten's flash
-        return {"attention kernel: K/V expanded to the query heads (sdpa backend)": 2 * q_units * self.uh}
+        return {"attention kernel: K/V expanded to the query heads (sdpa fp32: memory-efficient kernel)":
+                2 * q_units * self.uh}
+
+    def _sdpa_expands_kv(self, q_units: int, kv_units: int) -> bool:
+        # The sdpa backend's fp32 path runs the memory-efficient kernel, which has no GQA;
+        # its fp16/bf16 path runs aten's flash kernel with native GQA.
+        return self.job.attention_backend == "sdpa" and self.a == 4 and q_units > kv_units
 
     def kernel_bwd(self, q_units: int, kv_units: int) -> dict[str, int]:
         """Extra bytes inside the local attention kernel's backward (CUDA; invisible on CPU),
-        for q_units query and kv_units K/V heads over this rank's tokens."""
+        for q_units query and kv_units K/V heads over this rank's tokens. No backend recomputes
+        a forward: each runs its fused backward from the saved out/lse."""
         if not self.cuda or self.job.attention_backend == "math":
             return {}
         backend, uh, a = self.job.attention_backend, self.uh, self.a
@@ -516,10 +526,9 @@ class _Step:
             terms["attention kernel: flash bwd fp32 dK/dV accumulators (GQA)"] = 2 * kv_units * uh * 4 // a
         if backend in ("flash_attn", "sdpa") and gqa:
             terms["attention kernel: FA2 bwd dK/dV expanded to the query heads (GQA)"] = 2 * q_units * uh
-        if backend == "sdpa":
-            # CUDA sdpa backend: backward recomputes the forward under autograd (backends.py)
-            terms["attention kernel: recomputed output + LSE (sdpa backend backward)"] = (q_units * uh
-                                                                                           + q_units * self.T * 4)
+        if self._sdpa_expands_kv(q_units, kv_units):
+            terms["attention kernel: K/V expanded to the query heads (sdpa fp32: memory-efficient kernel)"] = (
+                2 * q_units * uh)
         return terms
 
     def attention(self) -> dict[str, dict[str, int]]:
@@ -984,7 +993,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
         mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
         ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac.mode,
-        attention_backend=upipe.attention_backend,
+        attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
         cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
         device=device,
     )
@@ -1234,7 +1243,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pin-memory", choices=["auto", "true", "false"], default="auto",
                         help="--model only: offload buffers pinned, pageable, or pinned when they fit (auto)")
     parser.add_argument("--attention-backend", default="flash_attn3",
-                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],
+                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],  # auto: see PLAN_AUTO_BACKEND
                         help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
     parser.add_argument("--no-transforms", action="store_true",
                         help="--model only: full AC without offload and no tiling/fusing")

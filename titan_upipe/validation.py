@@ -105,6 +105,7 @@ def check_context_parallel(job_config) -> None:
         _check_ulysses_heads(mode, n_heads, n_kv_heads, cp, ulysses)
     if mode == "upipe":
         resolve_heads_per_stage(n_heads, n_kv_heads, ulysses, job_config.upipe.heads_per_stage)
+    attention_backend_choice(job_config, probe=False)
     seq_len = job_config.training.seq_len
     unit = cp if ring == 1 else 2 * ring * ulysses
     if seq_len % unit:
@@ -114,6 +115,26 @@ def check_context_parallel(job_config) -> None:
             f"training.seq_len = {seq_len} is not divisible by {what}: "
             f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
         )
+
+
+def compute_dtype(job_config):
+    """The dtype of the attention inputs in training: FSDP's parameter dtype (TorchTitan runs
+    every CP job under FSDP, its mesh spanning the CP ranks)."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+
+
+def attention_backend_choice(job_config, probe: bool = True):
+    """``[upipe] attention_backend`` resolved for this job (``auto`` included), as a
+    ``BackendChoice``; a backend that cannot run it raises ConfigError. Ring and USP layouts
+    need a backend whose backward honours the merged out/lse."""
+    from titan_upipe.attention.backends import choose_backend
+
+    mode = cp_mode(job_config.model.converters)
+    cp = job_config.parallelism.context_parallel_degree
+    ring = mode is not None and resolve_mesh_shape(mode, cp, job_config.upipe.ulysses_degree)[0] > 1
+    return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=ring, probe=probe)
 
 
 def _check_ulysses_heads(mode: str, n_heads: int, n_kv_heads: int, cp: int, ulysses: int) -> None:

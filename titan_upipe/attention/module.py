@@ -97,7 +97,8 @@ class ContextParallelAttention(nn.Module):
     """
 
     def __init__(self, source: nn.Module, spec: AttentionSpec, mode: str, cp_mesh: DeviceMesh,
-                 schedule: HeadSchedule, backend: str, ring_degree: int = 1) -> None:
+                 schedule: HeadSchedule, backend: str, ring_degree: int = 1,
+                 compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         # The very same submodules, registered in the source's order: parameters are shared
         # and named (and ordered) as before, so state dicts and FSDP groups are unchanged.
@@ -113,7 +114,8 @@ class ContextParallelAttention(nn.Module):
         self.attn_type = "sdpa"
         self.spec, self.mode, self.cp_mesh, self.schedule = spec, mode, cp_mesh, schedule
         self.ring_degree = ring_degree
-        self.backend = get_backend(backend)
+        # Ring blocks need a backward that honours the merged out/lse: refused here otherwise.
+        self.backend = get_backend(backend, compute_dtype, ring=ring_degree > 1)
         self.block_rule = None
         """None: the causal block rule; tests replace it to show a wrong rule is caught."""
         self.in_place_rope = False
@@ -196,7 +198,8 @@ class ContextParallelAttention(nn.Module):
 
 
 def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_per_stage: int | None = None,
-                      backend: str = "sdpa", *, in_place_rope: bool = False) -> ContextParallelAttention:
+                      backend: str = "sdpa", *, in_place_rope: bool = False,
+                      compute_dtype: torch.dtype | None = None) -> ContextParallelAttention:
     """Wrap a TorchTitan Llama3/Qwen3 ``Attention`` for context parallelism over ``cp_mesh``.
 
     ``mode`` and mesh (``titan_upipe.parallel.context_parallel_mesh`` builds them):
@@ -209,7 +212,9 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     ``heads_per_stage`` (UPipe's U): None or 0 means U = the Ulysses degree; U = H is one
     stage. Other modes ignore it. ``in_place_rope``: rotate Q/K in place where no gradient is
     recorded (what the ``fused_rope`` transform turns on; off keeps TorchTitan's RoPE op order).
-    Every setting is validated here, before any communication, raising ConfigError.
+    ``backend``: a name of ``titan_upipe.attention.BACKENDS`` or ``"auto"``, resolved for inputs of
+    ``compute_dtype`` (None: checked at the first call); ring modes refuse a backend whose
+    backward does not honour the merged out/lse. Every setting is validated here, before any communication, raising ConfigError.
     """
     check_mode(mode)
     ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
@@ -222,7 +227,7 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     else:
         u = spec.n_heads
     schedule = build_schedule(spec.n_heads, spec.n_kv_heads, ulysses_degree, u)
-    layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, backend, ring_degree)
+    layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, backend, ring_degree, compute_dtype)
     layer.in_place_rope = in_place_rope
     return layer
 

@@ -1,0 +1,209 @@
+"""The GPU validation suite on a CPU machine: its dry run, its plan of runs, its kernels stage (run
+for real with the CPU kernels), its emulator-stage bookkeeping and the wheel manifest."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_upipe import gpu_suite, gpu_wheels
+from titan_upipe.attention.backends import SdpaCpuKernels
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_exits_0_and_lists_every_stage(capsys):
+    assert gpu_suite.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for stage in gpu_suite.STAGES:
+        assert f"stage {stage}:" in out
+    assert "configs/llama3_8b/upipe_5m.toml" in out and "configs/qwen3_32b/upipe_usp_4m.toml" in out
+    assert "wheels:" in out and "dry run: ready" in out
+
+
+def test_dry_run_as_a_module_command():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "titan_upipe.gpu_suite", "--dry-run", "--stage", "speed"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "stage speed: 6 runs" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "9M"], "valid lengths are 128K"),
+    (["--budget-s", "0"], "--budget-s must be positive"),
+    (["--stage", "memroy"], "invalid choice"),
+])
+def test_bad_arguments_are_one_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_suite.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_without_cuda_the_suite_says_so(capsys):
+    assert gpu_suite.main(["--stage", "kernels"]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_memory_plan_covers_the_issue():
+    runs = gpu_suite.plan_runs("memory")
+    names = [r.name for r in runs]
+    for method in ("ulysses", "upipe"):
+        for length in ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M"):
+            assert f"llama3_8b {method} {length}" in names
+    assert [r.length for r in runs if r.method == "upipe_usp"] == ["1M", "2M", "3M", "4M"]
+    beyond = next(r for r in runs if r.name == "llama3_8b upipe 7M")
+    assert "configs/llama3_8b/upipe_5m.toml" in beyond.argv and str(7 * 2**20) in beyond.argv
+    assert all("--n-layers" in r.argv for r in runs)
+
+
+def test_estimates_follow_the_papers_step_times():
+    """1M from Table 5 directly: (fwd + bwd) / 32 layers; 4M is 16x 1M (quadratic beyond the table)."""
+    one_m = (103.92 + 147.37) / 32
+    assert gpu_suite.attention_seconds_per_layer("1M") == pytest.approx(one_m)
+    assert gpu_suite.attention_seconds_per_layer("4M") == pytest.approx(
+        (940.62 + 1330.76) / 32 * (4 / 3) ** 2)
+    assert gpu_suite.attention_seconds_per_layer("128K") < gpu_suite.attention_seconds_per_layer("256K")
+
+
+def test_every_stage_has_a_selection_within_a_call_and_each_run_fits_alone():
+    """A stage is a call under 9 minutes: what does not fit is left for the next call, and every
+    single run fits a call on its own (else it could never be measured)."""
+    for stage in gpu_suite.STAGES:
+        runs = gpu_suite.plan_runs(stage)
+        now, later = gpu_suite.schedule_within(runs, gpu_suite.DEFAULT_BUDGET_S)
+        assert now and sum(r.estimate_s for r in now) <= gpu_suite.DEFAULT_BUDGET_S
+        assert now + later == runs
+    too_long = [r.name for r in gpu_suite.plan_runs("memory") if r.estimate_s > gpu_suite.DEFAULT_BUDGET_S]
+    assert set(too_long) <= {f"llama3_8b {m} {n}" for m in ("ulysses", "upipe") for n in ("6M", "7M", "8M")}
+
+
+def test_schedule_stops_at_the_first_run_over_budget():
+    runs = [gpu_suite.Run("memory", str(i), estimate_s=s) for i, s in enumerate((100, 300, 50, 200))]
+    now, later = gpu_suite.schedule_within(runs, 420)
+    assert [r.name for r in now] == ["0", "1"] and [r.name for r in later] == ["2", "3"]
+
+
+def test_kernels_stage_runs_on_cpu_and_writes_its_report(tmp_path):
+    args = gpu_suite.parse_args(["--stage", "kernels", "--out", str(tmp_path)])
+    report = gpu_suite.run_stage("kernels", args, ["--stage", "kernels"], device="cpu")
+    assert report.ok, [r for r in report.results if not r["ok"]]
+    checks = {r["check"] for r in report.results if not r["skipped"]}
+    assert checks == {"contract", "fused_ce", "offload_streams", "bf16_parity"}
+    skipped = {r["case"] for r in report.results if r["skipped"]}
+    assert {"flash_attn4", "flash_attn3", "flash_attn", "liger"} <= skipped  # no CUDA here: said, not hidden
+    json_path, md_path = report.write(tmp_path)
+    saved = json.loads(json_path.read_text())
+    assert saved["ok"] and saved["environment"]["torch"] == torch.__version__
+    text = md_path.read_text()
+    assert "command: python -m titan_upipe.gpu_suite --stage kernels" in text and "| contract |" in text
+
+
+def test_kernels_stage_fails_on_a_wrong_attention_gradient(monkeypatch):
+    """A backward whose dV is 50 % off fails both the contract and the model-level bf16 parity."""
+    from titan_upipe import gpu_kernels
+
+    original = SdpaCpuKernels.backward
+
+    def wrong(self, *args, **kwargs):
+        dq, dk, dv = original(self, *args, **kwargs)
+        return dq, dk, dv * 1.5
+
+    monkeypatch.setattr(SdpaCpuKernels, "backward", wrong)
+    assert not all(r["ok"] for r in gpu_kernels.contract_checks("cpu"))
+    assert not gpu_kernels.parity_checks("cpu")[0]["ok"]
+
+
+def _fake_record(method: str, length: str, step_s: float, seq_len: int) -> dict:
+    return {"oom": False, "seq_len": seq_len, "batch": 1, "cp_degree": 8, "n_layers": 2,
+            "full": {"modeled_step_time_s": step_s, "device_peak_allocated_bytes": 2**30,
+                     "device_peak_reserved_bytes": 2**31}}
+
+
+def test_speed_results_are_checked_against_an_independent_computation(monkeypatch):
+    runs = gpu_suite.plan_runs("speed", ("1M",))
+    steps = {"ulysses": 300.0, "upipe": 310.0}
+
+    def fake(run):
+        return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b", "ok": True,
+                "oom": False, "measurement": _fake_record(run.method, run.length, steps[run.method], 2**20)}
+
+    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    results = gpu_suite.run_emulator_stage("speed", runs)
+    upipe = next(r for r in results if r["method"] == "upipe")
+    assert upipe["tokens_per_s"] == pytest.approx(2**20 / 310.0 / 8)
+    assert upipe["ratio"] == pytest.approx(310 / 300)
+    assert upipe["paper_ratio"] == pytest.approx(276.39 / 275.06)
+    assert upipe["paper_tokens_per_s"] == pytest.approx(472.53)
+
+
+def test_memory_series_stops_at_the_first_oom(monkeypatch):
+    runs = [r for r in gpu_suite.plan_runs("memory", ("4M", "5M", "6M")) if r.method == "ulysses"]
+    calls = []
+
+    def fake(run):
+        calls.append(run.length)
+        return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b",
+                "command": " ".join(run.argv[1:]), "ok": True, "oom": run.length == "4M", "measurement": None}
+
+    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    results = gpu_suite.run_emulator_stage("memory", runs)
+    assert calls == ["4M"]
+    assert [r.get("skipped", False) for r in results] == [False, True, True]
+    assert results[0]["planner_gib"] > 0 and results[0]["paper_gib"] is None  # Table 4: Ulysses OOM at 4M
+    lines = gpu_suite.StageReport("memory", {}, results).markdown()
+    assert any("| llama3_8b | ulysses | 4M |" in line and "OOM" in line for line in lines)
+
+
+def test_one_real_emulator_run_is_parsed():
+    """The subprocess, JSON and planner plumbing of the memory stage, on a CPU debug config."""
+    run = gpu_suite.Run("memory", "llama3 debug upipe 1K",
+                        gpu_suite._emulator("configs/debug/upipe.toml", 4, "--training.seq_len", "1024"),
+                        method="upipe", length="1K")
+    result = gpu_suite._run_emulator(run)
+    assert result["ok"], result.get("error")
+    m = result["measurement"]
+    assert m["seq_len"] == 1024 and m["cp_degree"] == 4 and m["n_layers"] == 2 and m["total_peak_bytes"] > 0
+
+
+# --- the wheels ---------------------------------------------------------------------------------
+
+
+def test_wheels_split_reassemble_and_verify(tmp_path):
+    big = tmp_path / "nvidia_cutlass_dsl_libs_cu13-4.8.1-py3-none-manylinux_2_28_x86_64.whl"
+    big.write_bytes(bytes(range(256)) * 100)  # 25,600 bytes
+    small = tmp_path / "torchtitan-0.2.2-py3-none-any.whl"
+    small.write_bytes(b"titan")
+    manifest = gpu_wheels.split(tmp_path, part_bytes=10_000)
+    entry = next(e for e in manifest["wheels"] if e["file"] == big.name)
+    assert len(entry["parts"]) == 3 and not big.exists()
+    assert all((tmp_path / p).stat().st_size <= 10_000 for p in entry["parts"])
+    problems, _ = gpu_wheels.check_manifest(tmp_path)
+    assert any("flash_attn_4 is missing" in p for p in problems)  # the required set is checked
+    wheels = gpu_wheels.reassemble(tmp_path)
+    assert big.read_bytes() == bytes(range(256)) * 100 and set(wheels) == {big, small}
+    big.unlink()
+    (tmp_path / entry["parts"][1]).write_bytes(b"damaged")
+    with pytest.raises(SystemExit, match="sha256 differs"):
+        gpu_wheels.reassemble(tmp_path)
+    (tmp_path / entry["parts"][1]).unlink()
+    problems, _ = gpu_wheels.check_manifest(tmp_path)
+    assert any("missing" in p and entry["parts"][1] in p for p in problems)
+
+
+def test_wheel_names_parse():
+    assert gpu_wheels.wheel_name("flash_attn_4-4.0.0b36-py3-none-any.whl") == ("flash_attn_4", "4.0.0b36")
+    assert gpu_wheels.wheel_name("apache_tvm_ffi-0.1.15.post2-cp312-abi3-manylinux_2_28_x86_64.whl") == (
+        "apache_tvm_ffi", "0.1.15.post2")
+
+
+def test_no_manifest_is_reported_with_the_fix(tmp_path):
+    problems, lines = gpu_wheels.check_manifest(tmp_path / "absent")
+    assert problems == [] and "scripts/gpu_wheels.sh" in lines[0]

@@ -1,0 +1,264 @@
+"""The GPU suite's ``kernels`` stage: numerical checks of the CUDA paths, one result dict each.
+
+Every check compares against an fp64/fp32 reference with a tolerance tied to the dtype's own
+error, measured the same way: the plain (unfused, unconverted) computation in the same dtype
+is compared with the reference, and the checked path may be at most ``ERROR_FACTOR`` times
+that error (plus a quarter of the dtype's epsilon). On CPU the same code runs (``make test``
+does, at the same small shapes) with the CPU kernels; checks that need CUDA or an optional
+package are reported as skipped with the reason, never replaced by another kernel.
+
+``run_kernel_checks(device)`` returns ``[{"check", "case", "ok", "skipped"?, "detail"}, ...]``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
+from titan_upipe.attention.contract import ERROR_FACTOR, check_contract, contract_cases
+
+Tensor = torch.Tensor
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Sizes of the checks: head_dim 64 (what every flash kernel supports) on the GPU; smaller on
+    CPU, where ``make test`` runs the stage on a 2-core machine."""
+
+    ce_tokens: int
+    ce_dim: int
+    ce_vocab: int
+    model_dim: int
+    seq_len: int
+
+
+GPU_SHAPES = Shapes(ce_tokens=4096, ce_dim=1024, ce_vocab=8192, model_dim=512, seq_len=512)
+CPU_SHAPES = Shapes(ce_tokens=256, ce_dim=128, ce_vocab=1024, model_dim=256, seq_len=128)
+
+
+def shapes_for(device: str) -> Shapes:
+    return GPU_SHAPES if device == "cuda" else CPU_SHAPES
+
+
+def _result(check: str, case: str, ok: bool, detail: str, skipped: bool = False) -> dict:
+    return {"check": check, "case": case, "ok": ok, "skipped": skipped, "detail": detail}
+
+
+def _rel(got: Tensor, ref: Tensor) -> float:
+    ref = ref.detach().double().cpu()
+    return float((got.detach().double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _within(errors: dict[str, float], dtype_errors: dict[str, float], dtype: torch.dtype) -> tuple[bool, str]:
+    floor = torch.finfo(dtype).eps / 4
+    ratios = {n: errors[n] / (ERROR_FACTOR * dtype_errors[n] + floor) for n in errors}
+    worst = max(ratios, key=ratios.get)
+    return ratios[worst] <= 1.0, f"worst {worst}: {errors[worst]:.2e} (plain {dtype_errors[worst]:.2e})"
+
+
+# --- the backend contract ------------------------------------------------------------------------
+
+
+def contract_checks(device: str) -> list[dict]:
+    results = []
+    for name in AUTO_ORDER:
+        cls = BACKENDS[name]
+        reason = cls.unavailable_reason()
+        if reason is not None:
+            results.append(_result("contract", name, True, reason, skipped=True))
+            continue
+        for case in contract_cases((torch.bfloat16, torch.float32)):
+            if cls.dtype_problem(case.dtype) is not None:
+                continue
+            r = check_contract(cls(), case, device)
+            worst = max(r.split, key=lambda n: max(r.whole[n], r.split[n]) / r.allowed[n])
+            results.append(_result("contract", f"{name} {case.id}", r.ok,
+                                   f"worst {worst}: whole {r.whole[worst]:.2e}, split {r.split[worst]:.2e}, "
+                                   f"allowed {r.allowed[worst]:.2e}"))
+    return results
+
+
+# --- fused linear + cross-entropy --------------------------------------------------------------
+
+
+def _ce_grads(loss_fn: Callable, hidden: Tensor, weight: Tensor, labels: Tensor, dtype: torch.dtype) -> dict:
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    loss = loss_fn(h, w, labels)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    return {"loss": loss.detach(), "dh": dh, "dw": dw}
+
+
+def _stock_ce(h: Tensor, w: Tensor, labels: Tensor) -> Tensor:
+    """TorchTitan's path: logits in the model dtype, then fp32 cross-entropy, summed."""
+    return F.cross_entropy(F.linear(h, w).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def fused_ce_checks(device: str) -> list[dict]:
+    from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy, _liger_sum, liger_available
+
+    shapes = shapes_for(device)
+    tokens, dim, vocab = shapes.ce_tokens, shapes.ce_dim, shapes.ce_vocab
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, dim, generator=gen).to(device)
+    weight = (torch.randn(vocab, dim, generator=gen) / dim**0.5).to(device)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[::7] = IGNORE_INDEX
+    labels = labels.to(device)
+    ref = _ce_grads(_stock_ce, hidden, weight, labels, torch.float64)
+    plain = {n: _rel(t, ref[n]) for n, t in _ce_grads(_stock_ce, hidden, weight, labels, torch.bfloat16).items()}
+    paths = {"torch (chunked)": lambda h, w, y: ChunkedLinearCrossEntropy.apply(h, w, y, tokens // 8)}
+    results = []
+    if liger_available():
+        paths["liger"] = _liger_sum
+    else:
+        results.append(_result("fused_ce", "liger", True, "needs CUDA and liger-kernel", skipped=True))
+    for name, fn in paths.items():
+        errors = {n: _rel(t, ref[n]) for n, t in _ce_grads(fn, hidden, weight, labels, torch.bfloat16).items()}
+        ok, detail = _within(errors, plain, torch.bfloat16)
+        results.append(_result("fused_ce", f"{name} bf16", ok, detail))
+    return results
+
+
+# --- offloaded checkpointing ---------------------------------------------------------------------
+
+
+def _debug_llama3(device: str, n_layers: int = 2, n_heads: int = 8, n_kv_heads: int = 2,
+                  vocab: int = 512) -> torch.nn.Module:
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    shapes = shapes_for(device)
+    args = TransformerModelArgs(dim=shapes.model_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                vocab_size=vocab, multiple_of=64, rope_theta=500000, max_seq_len=shapes.seq_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def offload_checks(device: str) -> list[dict]:
+    """Block inputs to (pinned) host memory and back on the CUDA side streams: same gradients, bit
+    for bit, as the plain model (same ops, same order), and every offloaded byte released."""
+    from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
+
+    plain = _debug_llama3(device, n_layers=3)
+    offloaded = copy.deepcopy(plain)
+    apply_offloaded_ac(offloaded, pin_memory=device == "cuda")
+    tokens = torch.randint(0, 512, (2, shapes_for(device).seq_len),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    plain(tokens).float().square().mean().backward()
+    before = OFFLOAD_STATS.host_bytes
+    out = offloaded(tokens)
+    held = OFFLOAD_STATS.host_bytes - before
+    out.float().square().mean().backward()
+    released = OFFLOAD_STATS.host_bytes == before
+    mismatched = [n for (n, p), q in zip(plain.named_parameters(), offloaded.parameters(), strict=True)
+                  if not torch.equal(p.grad, q.grad)]
+    expected = 3 * tokens.numel() * plain.model_args.dim * 4
+    ok = not mismatched and released and held == expected
+    detail = (f"{held} B offloaded (expected {expected}), released: {released}, "
+              f"gradients bit-exact: {not mismatched}" + (f" (differ: {mismatched[:3]})" if mismatched else ""))
+    return [_result("offload_streams", "llama3 3 blocks, pinned" if device == "cuda" else "llama3 3 blocks", ok,
+                    detail)]
+
+
+# --- one bf16 step with every converter --------------------------------------------------------
+
+
+PLAIN_BF16_SANITY = 0.05
+"""Largest error of the unconverted bf16 model against fp32 that still reads as bf16 rounding
+(a few bf16 ulps of the largest element); above it the yardstick itself is broken."""
+
+
+def _one_rank_cp_mesh(device: str):
+    """A real 1-rank CP mesh (UPipe's all-to-alls over one rank), in a process group of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return init_device_mesh(device, (1,), mesh_dim_names=("cp",))
+
+
+def _convert_everything(model: torch.nn.Module, mesh, device: str) -> dict[str, str]:
+    from titan_upipe.attention import convert_attention
+    from titan_upipe.transforms.converters import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
+    from titan_upipe.transforms.fused_ce import resolve_backend
+    from titan_upipe.transforms.model_forward import enable_fused_rope
+    from titan_upipe.transforms.offload import apply_offloaded_ac
+
+    backend = choose_backend("auto", torch.bfloat16)
+    enable_fused_rope(model)
+    for block in model.layers.values():
+        block.attention = convert_attention(block.attention, "upipe", mesh, heads_per_stage=None,
+                                            backend=backend.name, in_place_rope=True,
+                                            compute_dtype=torch.bfloat16)
+    tile_feed_forwards(model, 64)
+    tile_rms_norms(model, 64)
+    ce_backend = resolve_backend("auto")
+    fuse_cross_entropy(model, chunk_tokens=0, backend=ce_backend)
+    apply_offloaded_ac(model, pin_memory=device == "cuda")
+    return {"attention": backend.describe(), "ce": ce_backend}
+
+
+def parity_checks(device: str) -> list[dict]:
+    """UPipe (1-rank mesh, U = 1: one head per stage through the GQA schedule), tiled MLP and
+    RMSNorm, fused RoPE and CE, offloaded AC, in bf16, against TorchTitan's unconverted model."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    reference = _debug_llama3(device)
+    plain = copy.deepcopy(reference)
+    for param in plain.parameters():  # parameters only, as FSDP's bf16 policy: the RoPE table stays
+        param.data = param.data.to(torch.bfloat16)
+    converted = copy.deepcopy(plain)
+    started_group = not dist.is_initialized()
+    try:
+        kernels = _convert_everything(converted, _one_rank_cp_mesh(device), device)
+        gen = torch.Generator().manual_seed(2)
+        seq_len = shapes_for(device).seq_len
+        tokens = torch.randint(0, 512, (2, seq_len), generator=gen).to(device)
+        labels = torch.randint(0, 512, (2, seq_len), generator=gen).to(device)
+
+        def step(model, fused: bool) -> dict[str, Tensor]:
+            loss = model(tokens).loss_sum(labels) if fused else cross_entropy_loss(model(tokens), labels)
+            loss.backward()
+            # The offload wrapper's module name is not part of the parameter names TorchTitan saves.
+            return {"loss": loss.detach(), **{n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                                              for n, p in model.named_parameters()}}
+
+        ref = step(reference, False)
+        plain_errors = {n: _rel(t, ref[n]) for n, t in step(plain, False).items()}
+        errors = {n: _rel(t, ref[n]) for n, t in step(converted, True).items()}
+    finally:
+        if started_group and dist.is_initialized():
+            dist.destroy_process_group()
+    ok, detail = _within(errors, plain_errors, torch.bfloat16)
+    if max(plain_errors.values()) > PLAIN_BF16_SANITY:  # the yardstick itself must be bf16 rounding
+        ok, detail = False, f"the unconverted bf16 model is off by {max(plain_errors.values()):.2e}: {detail}"
+    return [_result("bf16_parity", f"llama3 debug, {kernels['attention']}, ce {kernels['ce']}", ok, detail)]
+
+
+CHECKS = {"contract": contract_checks, "fused_ce": fused_ce_checks, "offload_streams": offload_checks,
+          "bf16_parity": parity_checks}
+
+
+def run_kernel_checks(device: str = "cuda") -> list[dict]:
+    results = []
+    for name, check in CHECKS.items():
+        try:
+            results += check(device)
+        except Exception as exc:  # a crashing check is a failed check, reported with the others
+            results.append(_result(name, "", False, f"{type(exc).__name__}: {exc}"))
+        print(f"[kernels] {name}: {'ok' if all(r['ok'] for r in results if r['check'] == name) else 'FAILED'}",
+              flush=True)
+    return results

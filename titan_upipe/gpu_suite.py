@@ -1,0 +1,430 @@
+"""GPU validation suite: everything the CPU test suite cannot show, on one CUDA GPU.
+
+    python -m titan_upipe.gpu_suite --stage kernels|memory|speed|all [--lengths 1M,2M] [--budget-s 540]
+    python -m titan_upipe.gpu_suite --dry-run            # on any machine: arguments, configs, wheels, plan
+    make gpu-suite STAGE=kernels                         # installs the carried wheels (.whl/) first
+
+On a GPU machine without torchtitan, run it through ``scripts/gpu_suite.sh``, which
+reassembles and installs the wheels ``scripts/gpu_wheels.sh`` downloaded (``.whl/``) before
+importing the plugin.
+
+=========== ========================================================================================
+stage       runs
+=========== ========================================================================================
+kernels     the backend contract (``titan_upipe.attention.contract``) for every backend usable here,
+            bf16 and fp32; Liger's fused linear+CE against the chunked torch loss; the offloaded
+            checkpoint's CUDA streams round trip (gradients bit-exact); one bf16 step of a debug model
+            with every converter (UPipe on a 1-rank mesh, tiled MLP/RMSNorm, fused RoPE/CE, offloaded
+            AC) against the unconverted model
+memory      the rank emulator (``scripts/emulate_rank.py``, fake process group, real kernels): Llama3-8B
+            C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
+            Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
+            ``max_memory_allocated``/``reserved`` beside the planner and the paper's Table 4
+speed       one emulated step of 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M:
+            the UPipe / Ulysses step-time ratio and tokens/s/GPU with modelled communication beside
+            the paper's Table 3
+=========== ========================================================================================
+
+A stage runs its runs in order while the next one's estimate fits the remaining
+``--budget-s`` (default 540 s, under a 10-minute call); the rest are listed in the report with
+the command that runs them. Estimates come from the paper's Table 5 FA3 times per layer (the
+attention dominates) plus a fixed start-up cost: a plan, not a measurement.
+Each stage writes ``<stage>.json`` and ``<stage>.md`` under ``docs/benchmarks/gpu/`` (device,
+torch, driver, date, the exact command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
+STAGES = ("kernels", "memory", "speed")
+DEFAULT_BUDGET_S = 540
+PAPER_TABLES = REPO / "docs" / "data" / "paper_tables.csv"
+"""The paper's Tables 3-5 (copied from ``shared/anchors/paper_tables.csv``; source: seed paper 000)."""
+
+K, M = 1024, 1024 * 1024
+LENGTHS = {"128K": 128 * K, "256K": 256 * K, "512K": 512 * K, "1M": M, "2M": 2 * M, "3M": 3 * M, "4M": 4 * M,
+           "5M": 5 * M, "6M": 6 * M, "7M": 7 * M, "8M": 8 * M}
+MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
+"""128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
+MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M")
+SPEED_LENGTHS = ("128K", "1M", "2M")
+RECIPE_LENGTHS = {"128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"}
+MEMORY_LAYERS = 2
+"""Blocks the memory runs build (the emulator extrapolates to the flavor's depth; it needs >= 2)."""
+STARTUP_S = 60.0
+"""Estimated process start, model build and first-use kernel compilation per emulator run."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measurement of a stage: a name, the command (emulator runs) and its time estimate."""
+
+    stage: str
+    name: str
+    argv: tuple[str, ...] = ()
+    estimate_s: float = 0.0
+    method: str = ""
+    length: str = ""
+    stop_group: str = ""
+    """Runs of one group stop at the first OOM (the "upward until it no longer fits" series)."""
+
+
+def _paper_rows(path: Path = PAPER_TABLES) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def paper_value(table: str, model: str, method: str, metric: str, length: str) -> float | None:
+    """A cell of the paper's tables (None where empty or OOM)."""
+    for row in _paper_rows():
+        if (row["table"], row["model"], row["method"], row["metric"]) == (table, model, method, metric):
+            try:
+                return float(row.get(length) or "")
+            except ValueError:
+                return None
+    return None
+
+
+def attention_seconds_per_layer(length: str) -> float:
+    """Llama3-8B C=8 FA3 forward + backward time of one layer from the paper's Table 5 (UPipe),
+    quadratic in the length beyond the table (attention dominates there)."""
+    for known in ("3M", "2M", "1M", "512K", "256K", "128K"):
+        fwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_fwd", known)
+        bwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_bwd", known)
+        if fwd is not None and bwd is not None and LENGTHS[known] <= LENGTHS[length]:
+            return (fwd + bwd) / 32 * (LENGTHS[length] / LENGTHS[known]) ** 2
+    return 0.0
+
+
+def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
+    return (sys.executable, "scripts/emulate_rank.py", "--job.config_file", config, "--cp-world", str(cp_world),
+            "--n-layers", str(MEMORY_LAYERS), "--json", *extra)
+
+
+def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Run:
+    recipe = length if length in RECIPE_LENGTHS else "5M"
+    extra = () if length == recipe else ("--training.seq_len", str(LENGTHS[length]))
+    return Run(stage, f"llama3_8b {method} {length}", _emulator(f"configs/llama3_8b/{method}_{recipe.lower()}.toml",
+                                                              8, *extra),
+               STARTUP_S + MEMORY_LAYERS * attention_seconds_per_layer(length), method, length, stop_group)
+
+
+def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
+    """The runs of one stage, in order (``lengths`` narrows the emulator stages)."""
+    def wanted(candidates: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(x for x in candidates if lengths is None or x in lengths)
+
+    if stage == "kernels":
+        return [Run("kernels", name, estimate_s=est) for name, est in
+                (("contract", 60), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60))]
+    if stage == "memory":
+        runs = [_llama_run("memory", method, length, stop_group=method)
+                for method in ("ulysses", "upipe") for length in wanted(MEMORY_LLAMA_LENGTHS)]
+        # Qwen3-32B's 64 heads over 16 GPUs: the same attention work per rank and layer as
+        # Llama3-8B's 32 heads over 8, so the same per-layer estimate.
+        runs += [Run("memory", f"qwen3_32b upipe_usp {length}",
+                     _emulator(f"configs/qwen3_32b/upipe_usp_{length.lower()}.toml", 16),
+                     STARTUP_S + MEMORY_LAYERS * attention_seconds_per_layer(length), "upipe_usp", length,
+                     "qwen3_upipe_usp") for length in wanted(MEMORY_QWEN_LENGTHS)]
+        return runs
+    if stage == "speed":
+        return [_llama_run("speed", method, length) for length in wanted(SPEED_LENGTHS)
+                for method in ("ulysses", "upipe")]
+    raise ValueError(f"unknown stage {stage!r}: valid stages are {', '.join(STAGES)}, all")
+
+
+def schedule_within(runs: list[Run], budget_s: float) -> tuple[list[Run], list[Run]]:
+    """Runs that fit the budget in order (stopping at the first that does not), and the rest."""
+    spent = 0.0
+    for i, run in enumerate(runs):
+        if spent + run.estimate_s > budget_s:
+            return runs[:i], runs[i:]
+        spent += run.estimate_s
+    return runs, []
+
+
+# --- the environment and the report ---------------------------------------------------------
+
+
+def environment(argv: list[str]) -> dict[str, str]:
+    import torch
+
+    env = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python -m titan_upipe.gpu_suite " + " ".join(argv), "torch": torch.__version__,
+           "python": platform.python_version(), "host": platform.node()}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = str(torch.version.cuda)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = "unknown (no nvidia-smi)"
+    else:
+        env["device"] = f"CPU ({platform.processor() or platform.machine()})"
+    return env
+
+
+@dataclass
+class StageReport:
+    stage: str
+    environment: dict[str, str]
+    results: list[dict] = field(default_factory=list)
+    not_run: list[dict] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.get("ok", True) for r in self.results)
+
+    def write(self, out_dir: Path) -> tuple[Path, Path]:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        json_path, md_path = out_dir / f"{self.stage}.json", out_dir / f"{self.stage}.md"
+        json_path.write_text(json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=str) + "\n")
+        md_path.write_text("\n".join(self.markdown()) + "\n")
+        return json_path, md_path
+
+    def markdown(self) -> list[str]:
+        lines = [f"# GPU suite: {self.stage}", ""]
+        lines += [f"- {key}: {value}" for key, value in self.environment.items()]
+        lines += ["", f"Verdict: {'all passed' if self.ok else 'FAILURES'}", ""]
+        lines += TABLES[self.stage](self.results)
+        if self.not_run:
+            lines += ["", "Not run in this call (over the time budget; estimates, not measurements):", ""]
+            lines += [f"- {r['name']} (~{r['estimate_s']:.0f} s): `{r['command']}`" for r in self.not_run]
+        return lines
+
+
+def _kernel_table(results: list[dict]) -> list[str]:
+    lines = ["| check | case | verdict | detail |", "|---|---|---|---|"]
+    for r in results:
+        verdict = "skipped" if r.get("skipped") else ("ok" if r["ok"] else "FAIL")
+        lines.append(f"| {r['check']} | {r.get('case', '')} | {verdict} | {r.get('detail', '')} |")
+    return lines
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _memory_table(results: list[dict]) -> list[str]:
+    lines = ["| model | method | length | layers | max allocated GiB (full) | max reserved GiB (full) | planner GiB "
+             "| paper T4 GiB |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r.get("measurement") or {}
+        full = m.get("full") or {}
+        if r.get("oom"):
+            cells = ["OOM", "OOM"]
+        else:
+            cells = [_gib(full.get("device_peak_allocated_bytes")), _gib(full.get("device_peak_reserved_bytes"))]
+        lines.append(f"| {r['model']} | {r['method']} | {r['length']} | {m.get('n_layers', '-')} | {cells[0]} | "
+                     f"{cells[1]} | {_fmt(r.get('planner_gib'))} | {_fmt(r.get('paper_gib'))} |")
+    return lines
+
+
+def _speed_table(results: list[dict]) -> list[str]:
+    lines = ["| length | method | step s (full, modelled comm.) | tokens/s/GPU | paper T3 tokens/s/GPU | "
+             "UPipe / Ulysses | paper |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['length']} | {r['method']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('tokens_per_s'))} | "
+                     f"{_fmt(r.get('paper_tokens_per_s'))} | {_fmt(r.get('ratio'), '.3f')} | "
+                     f"{_fmt(r.get('paper_ratio'), '.3f')} |")
+    return lines
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+TABLES = {"kernels": _kernel_table, "memory": _memory_table, "speed": _speed_table}
+
+
+# --- running emulator stages -----------------------------------------------------------------
+
+
+def _run_emulator(run: Run) -> dict:
+    """One emulator process (a fresh CUDA context and fake process group per run)."""
+    started = time.perf_counter()
+    proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
+    record = records[-1] if records else None
+    result = {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
+              "command": " ".join(run.argv[1:]), "wall_s": time.perf_counter() - started,
+              "oom": bool(record and record.get("oom")), "measurement": None if record is None or record.get("oom")
+              else record}
+    result["ok"] = record is not None
+    if record is None:
+        result["error"] = (proc.stderr or proc.stdout)[-2000:]
+    return result
+
+
+def _add_memory_context(result: dict) -> None:
+    from titan_upipe.plan import plan_from_job_config
+    from titan_upipe.train import parse_config
+
+    argv = result["command"].split()
+    config = argv[argv.index("--job.config_file") + 1]
+    overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
+    cp_world = int(argv[argv.index("--cp-world") + 1])
+    plan = plan_from_job_config(parse_config(["--job.config_file", config, *overrides]), world_size=cp_world,
+                                device="cuda")
+    result["planner_gib"] = plan.peak_gpu_bytes / 2**30
+    model = result["model"]
+    method = "upipe" if result["method"] == "upipe_usp" else result["method"]
+    result["paper_gib"] = paper_value("4", model, method, "peak_memory", result["length"])
+
+
+def run_emulator_stage(stage: str, runs: list[Run]) -> list[dict]:
+    results, stopped = [], set()
+    for run in runs:
+        if run.stop_group and run.stop_group in stopped:
+            results.append({"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
+                            "command": " ".join(run.argv[1:]), "skipped": True, "ok": True,
+                            "oom": True, "detail": "a shorter length of this series did not fit"})
+            continue
+        result = _run_emulator(run)
+        if result["oom"] and run.stop_group:
+            stopped.add(run.stop_group)
+        if stage == "memory":
+            _add_memory_context(result)
+        results.append(result)
+        print(f"[{stage}] {run.name}: {'OOM' if result['oom'] else ('ok' if result['ok'] else 'FAILED')} "
+              f"({result.get('wall_s', 0):.0f} s)", flush=True)
+    if stage == "speed":
+        _add_speed_context(results)
+    return results
+
+
+def _add_speed_context(results: list[dict]) -> None:
+    by_key = {}
+    for r in results:
+        m = r.get("measurement")
+        if m is None:
+            continue
+        r["step_s"] = m["full"]["modeled_step_time_s"]
+        r["tokens_per_s"] = m["seq_len"] * m["batch"] / r["step_s"] / m["cp_degree"]
+        r["paper_tokens_per_s"] = paper_value("3", "llama3_8b", r["method"], "throughput", r["length"])
+        by_key[(r["method"], r["length"])] = r
+    for r in results:
+        other = by_key.get(("ulysses", r["length"]))
+        if r["method"] == "upipe" and other is not None and "step_s" in r:
+            r["ratio"] = r["step_s"] / other["step_s"]
+            up = paper_value("5", "llama3_8b", "upipe", "step_time_total", r["length"])
+            ul = paper_value("5", "llama3_8b", "ulysses", "step_time_total", r["length"])
+            r["paper_ratio"] = up / ul if up and ul else None
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m titan_upipe.gpu_suite", description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", default="all", choices=[*STAGES, "all"])
+    parser.add_argument("--lengths", default=None,
+                        help=f"comma-separated lengths for the memory/speed stages, of {', '.join(LENGTHS)}")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"seconds a stage may plan to use (default {DEFAULT_BUDGET_S})")
+    parser.add_argument("--out", default=str(REPORT_DIR), help=f"report folder (default {REPORT_DIR})")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check arguments, configs, the wheel manifest and print the plan; run nothing")
+    args = parser.parse_args(argv)
+    if args.lengths is not None:
+        lengths = tuple(x.strip().upper() for x in args.lengths.split(",") if x.strip())
+        unknown = [x for x in lengths if x not in LENGTHS]
+        if unknown or not lengths:
+            parser.error(f"--lengths {args.lengths!r}: valid lengths are {', '.join(LENGTHS)}")
+        args.lengths = lengths
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
+    return args
+
+
+def selected_stages(stage: str) -> tuple[str, ...]:
+    return STAGES if stage == "all" else (stage,)
+
+
+def dry_run(args: argparse.Namespace) -> list[str]:
+    """Everything a CPU machine can check; returns the problems (empty: ready)."""
+    from titan_upipe.gpu_wheels import check_manifest
+    from titan_upipe.train import parse_config
+
+    problems = []
+    for stage in selected_stages(args.stage):
+        runs = plan_runs(stage, args.lengths)
+        now, later = schedule_within(runs, args.budget_s)
+        print(f"stage {stage}: {len(runs)} runs, {len(now)} within {args.budget_s:.0f} s")
+        for run in runs:
+            where = "now  " if run in now else "later"
+            print(f"  {where} ~{run.estimate_s:6.0f} s  {run.name}" + (f"  ({' '.join(run.argv[1:])})" if run.argv else ""))
+            if run.argv:
+                argv = list(run.argv)
+                config = argv[argv.index("--job.config_file") + 1]
+                if not (REPO / config).exists():
+                    problems.append(f"{run.name}: config {config} does not exist")
+                    continue
+                try:
+                    parse_config(["--job.config_file", str(REPO / config)])
+                except Exception as exc:  # a config that does not parse is a problem to report
+                    problems.append(f"{run.name}: {config} does not parse: {exc}")
+        if stage != "kernels" and not now:
+            problems.append(f"stage {stage}: no run fits --budget-s {args.budget_s:g}")
+    wheel_problems, wheel_lines = check_manifest(REPO / ".whl")
+    print("\n".join(wheel_lines))
+    problems += wheel_problems
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.dry_run:
+        problems = dry_run(args)
+        for problem in problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        print("dry run: " + ("ready" if not problems else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("titan_upipe.gpu_suite: no CUDA device here; run it on a GPU machine, or use --dry-run to check "
+              "the arguments, configs, wheels and plan", file=sys.stderr)
+        return 2
+    ok = True
+    for stage in selected_stages(args.stage):
+        report = run_stage(stage, args, argv)
+        paths = report.write(Path(args.out))
+        print(f"[{stage}] {'ok' if report.ok else 'FAILED'}: {paths[0]}, {paths[1]}")
+        ok &= report.ok
+    return 0 if ok else 1
+
+
+def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda") -> StageReport:
+    report = StageReport(stage, environment(argv))
+    if stage == "kernels":
+        from titan_upipe.gpu_kernels import run_kernel_checks
+
+        report.results = run_kernel_checks(device)
+        return report
+    now, later = schedule_within(plan_runs(stage, args.lengths), args.budget_s)
+    report.results = run_emulator_stage(stage, now)
+    report.not_run = [{"name": r.name, "estimate_s": r.estimate_s,
+                       "command": f"python -m titan_upipe.gpu_suite --stage {stage} --lengths {r.length}"}
+                      for r in later]
+    return report
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    sys.exit(main())
