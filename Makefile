@@ -7,7 +7,7 @@ NPROC ?= 2
 RUN_CONFIG ?= configs/debug/llama3_upipe.toml
 RUN_ARGS ?=
 
-.PHONY: install test run lint clean bench-attention bench-memory
+.PHONY: install test run lint clean bench-attention bench-memory gpu-suite
 
 install: $(STAMP)
 
@@ -43,6 +43,12 @@ bench-attention: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/python scripts/bench_memory.py $(BENCH_ARGS)
+
+# The GPU validation suite (docs/quickstart.md#validating-a-gpu-machine). On an offline GPU
+# machine without .venv it installs the carried wheels (.whl/, scripts/gpu_wheels.sh) first.
+STAGE ?= all
+gpu-suite:
+	scripts/gpu_suite.sh --stage $(STAGE) $(GPU_SUITE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check titan_upipe tests scripts

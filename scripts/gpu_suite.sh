@@ -5,10 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=${GPU_SUITE_SITE:-/tmp/titan_upipe_site}
-if ! python3 -c "import torchtitan" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] && ! python3 -c "import torchtitan" 2>/dev/null; then
   python3 titan_upipe/gpu_wheels.py install .whl --target "$site"
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-exec python3 -m titan_upipe.gpu_suite "$@"
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+exec "$py" -m titan_upipe.gpu_suite "$@"

@@ -243,7 +243,9 @@ def test_job_with_an_unusable_backend_fails_before_any_process_group():
     from titan_upipe.train import parse_config
     from titan_upipe.validation import check_job
 
-    ring = ["--job.config_file", "configs/debug/ring.toml"]
+    ring = ["--job.config_file", "configs/debug/ring.toml", "--upipe.attention_backend"]
     with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: flash_attn4 needs a CUDA device"):
-        check_job(parse_config([*ring, "--upipe.attention_backend", "flash_attn4"]), 4)
-    check_job(parse_config([*ring, "--upipe.attention_backend", "auto"]), 4)  # auto -> sdpa here
+        check_job(parse_config([*ring, "flash_attn4", "--training.mixed_precision_param", "bfloat16"]), 4)
+    with pytest.raises(ConfigError, match="flash_attn4 runs float16, bfloat16 inputs, not float32: train in bf16"):
+        check_job(parse_config([*ring, "flash_attn4"]), 4)  # the debug configs train in fp32
+    check_job(parse_config([*ring, "auto"]), 4)  # auto -> sdpa here

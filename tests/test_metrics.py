@@ -100,5 +100,5 @@ def test_dashboard_tags_of_a_upipe_run(tmp_path):
     # The kernel "auto" resolved to, with why the faster ones were passed over (fp32 config).
     texts = dict(_plugin_values(runs[-1], "text"))
     choice = texts["upipe/attention_backend/text_summary"].decode()
-    assert choice.startswith("attention backend auto -> sdpa (passed over flash_attn4: attention backend "
-                             "'flash_attn4' runs float16, bfloat16 inputs, not float32")
+    assert choice.startswith("attention backend auto -> sdpa (passed over flash_attn4: flash_attn4 runs "
+                             "float16, bfloat16 inputs, not float32")

@@ -93,7 +93,7 @@ class LocalAttentionBackend(ABC):
         if dtype is None or cls.dtypes is None or dtype in cls.dtypes:
             return None
         valid = ", ".join(str(d).removeprefix("torch.") for d in cls.dtypes)
-        return (f"attention backend {cls.name!r} runs {valid} inputs, not {str(dtype).removeprefix('torch.')}: "
+        return (f"{cls.name} runs {valid} inputs, not {str(dtype).removeprefix('torch.')}: "
                 "train in bf16 (training.mixed_precision_param = 'bfloat16') or use attention_backend 'sdpa'")
 
     def check_inputs(self, q: Tensor) -> None:
