@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_upipe.attention.backends import LSE_ALIGN, MathBackend
+from titan_upipe.attention.backends import LSE_ALIGN, LocalAttentionBackend, MathBackend, SdpaCpuKernels
 
 _MATH = MathBackend()
 
@@ -101,3 +101,24 @@ class EmulatedAtenSdpa:
     _scaled_dot_product_flash_attention_backward = staticmethod(_scaled_dot_product_flash_attention_backward)
     _scaled_dot_product_efficient_attention = staticmethod(_scaled_dot_product_efficient_attention)
     _scaled_dot_product_efficient_attention_backward = staticmethod(_scaled_dot_product_efficient_attention_backward)
+
+
+class RecomputeBackward(LocalAttentionBackend):
+    """What the CUDA ``sdpa`` branch did before: backward recomputes the block under autograd
+    with ``F.scaled_dot_product_attention`` and ignores the ``out``/``lse`` it is given."""
+
+    name = "recompute"
+    merged_backward = False
+
+    def __init__(self) -> None:
+        self.inner = SdpaCpuKernels()
+
+    def forward(self, q, k, v, scale, causal=True):
+        return self.inner.forward(q, k, v, scale, causal)
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal=True):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            recomputed = torch.nn.functional.scaled_dot_product_attention(
+                *leaves, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return torch.autograd.grad(recomputed, leaves, dout)

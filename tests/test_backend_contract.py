@@ -21,7 +21,7 @@ import inspect
 
 import pytest
 import torch
-from aten_sdpa_emulation import EmulatedAtenSdpa
+from aten_sdpa_emulation import EmulatedAtenSdpa, RecomputeBackward
 
 from titan_upipe.attention import backends
 from titan_upipe.attention.backends import (
@@ -40,27 +40,6 @@ from titan_upipe.config import ConfigError
 
 CASES = contract_cases((torch.float32, torch.bfloat16))
 SPLIT_CASES = [c for c in CASES if c.dtype == torch.float32]
-
-
-class RecomputeBackward(LocalAttentionBackend):
-    """What the CUDA ``sdpa`` branch did before: backward recomputes the block under autograd
-    with ``F.scaled_dot_product_attention`` and ignores the ``out``/``lse`` it is given."""
-
-    name = "recompute"
-    merged_backward = False
-
-    def __init__(self) -> None:
-        self.inner = SdpaCpuKernels()
-
-    def forward(self, q, k, v, scale, causal=True):
-        return self.inner.forward(q, k, v, scale, causal)
-
-    def backward(self, dout, q, k, v, out, lse, scale, causal=True):
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            recomputed = torch.nn.functional.scaled_dot_product_attention(
-                *leaves, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-            return torch.autograd.grad(recomputed, leaves, dout)
 
 
 def _assert_honours(backend: LocalAttentionBackend, case: ContractCase, device: str = "cpu") -> None:

@@ -151,14 +151,17 @@ def test_memory_series_stops_at_the_first_oom(monkeypatch):
     def fake(run):
         calls.append(run.length)
         return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b",
-                "command": " ".join(run.argv[1:]), "ok": True, "oom": run.length == "4M", "measurement": None}
+                "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "ok": True,
+                "oom": run.length == "4M", "measurement": None}
 
     monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
     results = gpu_suite.run_emulator_stage("memory", runs)
     assert calls == ["4M"]
     assert [r.get("skipped", False) for r in results] == [False, True, True]
     assert results[0]["planner_gib"] > 0 and results[0]["paper_gib"] is None  # Table 4: Ulysses OOM at 4M
-    lines = gpu_suite.StageReport("memory", {}, results).markdown()
+    report = gpu_suite.StageReport("memory", {}, results, lengths=("4M", "5M", "6M"))
+    assert report.label == "memory-4M-5M-6M"
+    lines = report.markdown()
     assert any("| llama3_8b | ulysses | 4M |" in line and "OOM" in line for line in lines)
 
 

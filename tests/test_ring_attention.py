@@ -7,8 +7,14 @@ weight (and qk-norm) gradients, weight gradients summed over ranks, must match t
 (fp32) or 2e-2 (bf16) as max|error| / max|reference|. Meshes are derived from the pool's 1-D
 CP mesh with ``context_parallel_mesh`` exactly as the converters do.
 
-Two cases are built to fail: a wrong causal block rule (the diagonal block treated as full,
-so tokens see the rest of their own chunk) and inputs sharded contiguously instead of zigzag.
+Three cases are built to fail: a wrong causal block rule (the diagonal block treated as full,
+so tokens see the rest of their own chunk), inputs sharded contiguously instead of zigzag, and
+a local kernel whose backward recomputes its block's softmax instead of using the merged
+out/lse (what the CUDA ``sdpa`` branch once did: right forward, wrong gradients).
+
+``kernel="cuda_emulated"`` runs the CUDA ``sdpa`` backend's Python (flash path in bf16, the
+memory-efficient path with expanded K/V in fp32) over CPU emulations of its aten ops
+(``aten_sdpa_emulation``) as the ring's local kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ class RingCase:
     dtype: str = "float32"
     backend: str = "sdpa"
     positions: str = "derived"  # "derived" (None) or "batch" (explicit [B, L], per-sample offsets)
-    sabotage: str = ""  # "", "block_rule", "layout": must NOT match
+    sabotage: str = ""  # "", "block_rule", "layout", "recompute_backward": must NOT match
+    kernel: str = ""  # "" (the backend's own) or "cuda_emulated"
 
     @property
     def world(self) -> int:
@@ -46,7 +53,7 @@ class RingCase:
     @property
     def id(self) -> str:
         u = f"U{self.heads_per_stage}" if self.mode == "upipe" else ""
-        extra = "".join(f"-{v}" for v in (self.backend if self.backend != "sdpa" else "",
+        extra = "".join(f"-{v}" for v in (self.backend if self.backend != "sdpa" else "", self.kernel,
                                           self.positions if self.positions != "derived" else "", self.sabotage) if v)
         return (f"{self.model}-H{self.n_heads}KV{self.n_kv_heads}-{self.mode}{u}-R{self.ring}xU{self.ulysses}"
                 f"-S{self.seq_len}B{self.batch}-{self.dtype}{extra}")
@@ -79,6 +86,12 @@ CASES = [
     RingCase("llama3", 8, 2, "usp", 4, 2, 32, batch=2),
     RingCase("qwen3", 8, 8, "upipe", 4, 2, 16, heads_per_stage=8),
     RingCase("qwen3", 8, 8, "upipe", 4, 2, 32, heads_per_stage=2, dtype="bfloat16"),
+    # the CUDA sdpa backend's Python as the local kernel, and a recompute-style backward
+    RingCase("llama3", 8, 2, "ring", 4, 1, 64, kernel="cuda_emulated"),
+    RingCase("llama3", 8, 2, "ring", 4, 1, 64, dtype="bfloat16", kernel="cuda_emulated"),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, heads_per_stage=2, kernel="cuda_emulated"),
+    RingCase("llama3", 8, 2, "ring", 4, 1, 32, sabotage="recompute_backward"),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, heads_per_stage=2, sabotage="recompute_backward"),
 ]
 
 
@@ -102,6 +115,13 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     assert converted.cp_degree == case.world and converted.ring_degree == case.ring
     if case.sabotage == "block_rule":
         converted.block_rule = _diagonal_as_full
+    if case.kernel == "cuda_emulated" or case.sabotage == "recompute_backward":
+        from aten_sdpa_emulation import EmulatedAtenSdpa, RecomputeBackward
+
+        from titan_upipe.attention.backends import SdpaCudaKernels
+
+        # Swapped after conversion: conversion itself refuses a recompute-style kernel for rings.
+        converted.backend = (SdpaCudaKernels(ops=EmulatedAtenSdpa()) if case.kernel else RecomputeBackward())
 
     def shard(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if case.sabotage == "layout":  # contiguous shards into an attention that expects zigzag
@@ -140,7 +160,9 @@ def test_matches_unconverted_module(case: RingCase) -> None:
         expected |= {"dq_norm.weight", "dk_norm.weight"}
     assert set(errors) == expected
     tol = FP32_TOL if case.dtype == "float32" else BF16_TOL
-    if case.sabotage:
+    if case.sabotage == "recompute_backward":  # the forward is right, the gradients are not
+        assert errors["out"] <= tol and min(errors["dx"], errors["dwq.weight"]) > 100 * tol, errors
+    elif case.sabotage:
         assert errors["out"] > 100 * tol, errors
     else:
         assert max(errors.values()) <= tol, errors
@@ -164,3 +186,5 @@ def test_matrix_covers_the_issue() -> None:
     assert any(c.heads_per_stage == c.n_heads for c in sound if c.mode == "upipe")
     assert {c.model for c in sound} == {"llama3", "qwen3"}
     assert any(c.n_heads == c.n_kv_heads for c in sound) and any(c.n_heads > c.n_kv_heads for c in sound)
+    emulated = [c for c in sound if c.kernel == "cuda_emulated"]
+    assert {c.mode for c in emulated} == {"ring", "upipe"} and {c.dtype for c in emulated} == {"float32", "bfloat16"}

@@ -29,8 +29,8 @@ A stage runs its runs in order while the next one's estimate fits the remaining
 ``--budget-s`` (default 540 s, under a 10-minute call); the rest are listed in the report with
 the command that runs them. Estimates come from the paper's Table 5 FA3 times per layer (the
 attention dominates) plus a fixed start-up cost: a plan, not a measurement.
-Each stage writes ``<stage>.json`` and ``<stage>.md`` under ``docs/benchmarks/gpu/`` (device,
-torch, driver, date, the exact command).
+Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>-<lengths>.*`` with ``--lengths``)
+under ``docs/benchmarks/gpu/`` (device, torch, driver, date, the exact command).
 """
 
 from __future__ import annotations
@@ -184,6 +184,13 @@ class StageReport:
     environment: dict[str, str]
     results: list[dict] = field(default_factory=list)
     not_run: list[dict] = field(default_factory=list)
+    lengths: tuple[str, ...] | None = None
+    """The ``--lengths`` of this call: part of the file name, so the calls of a stage split over
+    several lengths keep their own reports."""
+
+    @property
+    def label(self) -> str:
+        return self.stage + ("" if not self.lengths else "-" + "-".join(self.lengths))
 
     @property
     def ok(self) -> bool:
@@ -191,13 +198,13 @@ class StageReport:
 
     def write(self, out_dir: Path) -> tuple[Path, Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = out_dir / f"{self.stage}.json", out_dir / f"{self.stage}.md"
+        json_path, md_path = out_dir / f"{self.label}.json", out_dir / f"{self.label}.md"
         json_path.write_text(json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=str) + "\n")
         md_path.write_text("\n".join(self.markdown()) + "\n")
         return json_path, md_path
 
     def markdown(self) -> list[str]:
-        lines = [f"# GPU suite: {self.stage}", ""]
+        lines = [f"# GPU suite: {self.label}", ""]
         lines += [f"- {key}: {value}" for key, value in self.environment.items()]
         lines += ["", f"Verdict: {'all passed' if self.ok else 'FAILURES'}", ""]
         lines += TABLES[self.stage](self.results)
@@ -261,7 +268,7 @@ def _run_emulator(run: Run) -> dict:
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
     record = records[-1] if records else None
     result = {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
-              "command": " ".join(run.argv[1:]), "wall_s": time.perf_counter() - started,
+              "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "wall_s": time.perf_counter() - started,
               "oom": bool(record and record.get("oom")), "measurement": None if record is None or record.get("oom")
               else record}
     result["ok"] = record is not None
@@ -274,12 +281,12 @@ def _add_memory_context(result: dict) -> None:
     from titan_upipe.plan import plan_from_job_config
     from titan_upipe.train import parse_config
 
-    argv = result["command"].split()
+    argv = result["argv"]
     config = argv[argv.index("--job.config_file") + 1]
     overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
     cp_world = int(argv[argv.index("--cp-world") + 1])
-    plan = plan_from_job_config(parse_config(["--job.config_file", config, *overrides]), world_size=cp_world,
-                                device="cuda")
+    plan = plan_from_job_config(parse_config(["--job.config_file", str(REPO / config), *overrides]),
+                                world_size=cp_world, device="cuda")
     result["planner_gib"] = plan.peak_gpu_bytes / 2**30
     model = result["model"]
     method = "upipe" if result["method"] == "upipe_usp" else result["method"]
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda") -> StageReport:
-    report = StageReport(stage, environment(argv))
+    report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None)
     if stage == "kernels":
         from titan_upipe.gpu_kernels import run_kernel_checks
 
