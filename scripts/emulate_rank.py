@@ -21,7 +21,7 @@ TorchTitan overrides (``--training.seq_len 4096``, ``--upipe.heads_per_stage 8``
 pass through. CUDA is used when available (as ``titan_upipe.check`` does), else the CPU;
 ``PYTORCH_CUDA_ALLOC_CONF`` defaults to ``expandable_segments:True`` as in ``scripts/run_train.sh``.
 ``--summarize A.json B.json ...`` tabulates ``--json`` outputs next to the paper's Llama3-8B
-Table 4 (peak memory) and Table 5 (step time) from ``../shared/anchors/paper_tables.csv``.
+Table 4 (peak memory) and Table 5 (step time) from ``docs/data/paper_tables.csv``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import titan_upipe  # noqa: E402,F401  (registers the plugin, picks the device)
 
-PAPER_CSV = Path(__file__).resolve().parents[1].parent / "shared" / "anchors" / "paper_tables.csv"
+PAPER_CSV = Path(__file__).resolve().parents[1] / "docs" / "data" / "paper_tables.csv"
 
 
 def _parse(argv: list[str]):

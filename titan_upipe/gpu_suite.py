@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import json
 import os
 import platform
@@ -51,8 +52,6 @@ REPO = Path(__file__).resolve().parents[1]
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
 STAGES = ("kernels", "memory", "speed")
 DEFAULT_BUDGET_S = 540
-PAPER_TABLES = REPO / "docs" / "data" / "paper_tables.csv"
-"""The paper's Tables 3-5 (copied from ``shared/anchors/paper_tables.csv``; source: seed paper 000)."""
 
 K, M = 1024, 1024 * 1024
 LENGTHS = {"128K": 128 * K, "256K": 256 * K, "512K": 512 * K, "1M": M, "2M": 2 * M, "3M": 3 * M, "4M": 4 * M,
@@ -82,9 +81,12 @@ class Run:
     """Runs of one group stop at the first OOM (the "upward until it no longer fits" series)."""
 
 
-def _paper_rows(path: Path = PAPER_TABLES) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+@functools.cache
+def _paper_rows() -> tuple[dict[str, str], ...]:
+    from titan_upipe.plan import PAPER_TABLES_CSV
+
+    with open(PAPER_TABLES_CSV, newline="") as f:
+        return tuple(csv.DictReader(f))
 
 
 def paper_value(table: str, model: str, method: str, metric: str, length: str) -> float | None:

@@ -72,8 +72,9 @@ whether a plan fits (never added to ``peak_gpu_bytes``): the CUDA context and ke
 (~0.5-1 GiB), and caching-allocator slack with ``expandable_segments`` (~0.5 GiB).
 Override with ``--reserve-gib``."""
 
-PAPER_TABLES_CSV = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "paper_tables.csv"
-"""The paper's tables (Table 4: peak GiB per method and length), relative to the repository root."""
+PAPER_TABLES_CSV = Path(__file__).resolve().parents[1] / "docs" / "data" / "paper_tables.csv"
+"""The paper's Tables 3-5 (Table 4: peak GiB per method and length) as data inside the repository
+(``docs/data/README.md`` names the source)."""
 
 
 # --------------------------------------------------------------------------- model and job
