@@ -7,20 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${1:-.whl}
 mkdir -p "$dest"
-# name==version, one per line; --no-deps: every requirement is listed explicitly.
-wheels=(
-  torchtitan==0.2.2
-  liger-kernel==0.8.5
-  flash-attn-4==4.0.0b36
-  nvidia-cutlass-dsl==4.8.1
-  nvidia-cutlass-dsl-libs-base==4.8.1
-  nvidia-cutlass-dsl-libs-cu13==4.8.1
-  quack-kernels==0.6.5
-  apache-tvm-ffi==0.1.15.post2
-  torch-c-dlpack-ext==0.1.5
-  tomli
-  einops
-)
+# name==version of every wheel, from one list (titan_upipe/gpu_wheels.py REQUIRED); --no-deps:
+# every requirement is listed there explicitly.
+mapfile -t wheels < <(python3 titan_upipe/gpu_wheels.py list)
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
          manylinux2014_x86_64; do

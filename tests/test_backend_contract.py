@@ -141,11 +141,13 @@ def test_every_shipped_backend_declares_the_merged_backward():
     assert all(cls.merged_backward for cls in BACKENDS.values())
 
 
-def test_auto_on_cpu_is_sdpa_and_says_why():
+def test_auto_without_cuda_is_sdpa_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
     choice = choose_backend("auto", torch.bfloat16)
     assert choice.name == "sdpa"
     assert [name for name, _ in choice.passed_over] == list(AUTO_ORDER[:-1])
-    assert "CUDA" in choice.describe() and "auto -> sdpa" in choice.describe()
+    assert "auto -> sdpa (passed over flash_attn4: flash_attn4 needs a CUDA device;" in choice.describe()
 
 
 def _pretend_usable(monkeypatch, *names: str) -> None:
@@ -165,13 +167,34 @@ def test_auto_takes_the_fastest_usable_backend_for_the_dtype(monkeypatch):
 
 
 def test_named_backend_that_cannot_run_is_one_clear_error(monkeypatch):
-    with pytest.raises(ConfigError, match="flash_attn4.*not usable here.*CUDA"):
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: False))
+    with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: .*pip install flash-attn-4"):
+        choose_backend("flash_attn4", torch.bfloat16)
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: flash_attn4 needs a CUDA device"):
         choose_backend("flash_attn4", torch.bfloat16)
     with pytest.raises(ConfigError, match="valid backends are auto, sdpa, math"):
         choose_backend("flash", torch.bfloat16)
     _pretend_usable(monkeypatch, "flash_attn4")
     with pytest.raises(ConfigError, match="mixed_precision_param"):
         choose_backend("flash_attn4", torch.float32)
+
+
+def test_a_flash_release_that_renamed_the_scale_is_refused():
+    """Dropping ``softmax_scale`` silently would run the kernel with its default scale."""
+
+    def renamed(q, k, v, scale=None, causal=False):
+        return q
+
+    with pytest.raises(ConfigError, match=r"takes no \['softmax_scale'\]"):
+        backends._call_by_name(renamed, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True})
+
+    def current(q, k, v, softmax_scale=None, causal=False, window_size_left=None):
+        return softmax_scale
+
+    assert backends._call_by_name(current, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True,
+                                            "window_size": (-1, -1)}) == 0.1
 
 
 def test_flash_backend_refuses_fp32_at_the_call():
@@ -181,7 +204,7 @@ def test_flash_backend_refuses_fp32_at_the_call():
 
 def test_probe_free_check_imports_nothing(monkeypatch):
     """Before process groups start, availability is read from package metadata only."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA queried"))
     monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
 
     def no_import(cls):
@@ -218,13 +241,20 @@ def test_cuda_backends_honour_the_contract(case):
             _assert_honours(backend, case, "cuda")
 
 
-def test_job_with_an_unusable_backend_fails_before_any_process_group():
+def test_job_with_an_unusable_backend_fails_before_any_process_group(monkeypatch):
+    """Before process groups: package metadata and dtype only (it may run on a login node)."""
     from titan_upipe.train import parse_config
     from titan_upipe.validation import check_job
 
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: False))
     ring = ["--job.config_file", "configs/debug/ring.toml", "--upipe.attention_backend"]
-    with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: flash_attn4 needs a CUDA device"):
+    with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: flash_attn4 needs the 'flash-attn-4' "
+                                          r"package \(pip install flash-attn-4\)"):
         check_job(parse_config([*ring, "flash_attn4", "--training.mixed_precision_param", "bfloat16"]), 4)
     with pytest.raises(ConfigError, match="flash_attn4 runs float16, bfloat16 inputs, not float32: train in bf16"):
         check_job(parse_config([*ring, "flash_attn4"]), 4)  # the debug configs train in fp32
-    check_job(parse_config([*ring, "auto"]), 4)  # auto -> sdpa here
+    check_job(parse_config([*ring, "auto"]), 4)
+    # Installed but no GPU on this machine (a login node): not refused before the job starts.
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_job(parse_config([*ring, "flash_attn4", "--training.mixed_precision_param", "bfloat16"]), 4)

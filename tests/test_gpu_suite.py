@@ -91,6 +91,41 @@ def test_schedule_stops_at_the_first_run_over_budget():
     assert [r.name for r in now] == ["0", "1"] and [r.name for r in later] == ["2", "3"]
 
 
+def test_a_run_that_does_not_fit_before_the_deadline_is_not_started(monkeypatch):
+    """Each (fake) run takes its estimate on a fake clock; the third does not fit what is left."""
+    runs = gpu_suite.plan_runs("memory", ("128K", "1M"))
+    clock, started, saved = [0.0], [], []
+
+    def fake(run, timeout_s=None):
+        started.append((run.name, timeout_s))
+        clock[0] += run.estimate_s
+        return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b",
+                "command": "", "argv": list(run.argv[1:]), "ok": True, "oom": False, "measurement": None}
+
+    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    monkeypatch.setattr(gpu_suite.time, "monotonic", lambda: clock[0])
+    deadline = runs[0].estimate_s + runs[1].estimate_s + runs[2].estimate_s / 2
+    results = gpu_suite.run_emulator_stage("memory", runs, deadline, lambda r, rest: saved.append((len(r), len(rest))))
+    assert [name for name, _ in started] == [runs[0].name, runs[1].name]
+    assert started[0][1] == pytest.approx(deadline) and started[1][1] == pytest.approx(deadline - runs[0].estimate_s)
+    assert len(results) == 2 and saved[-1] == (2, len(runs) - 2)  # the report lists those not started
+
+
+def test_stage_all_runs_each_stage_in_a_child_within_one_budget(monkeypatch):
+    commands = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(gpu_suite.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or Done())
+    import time
+
+    args = gpu_suite.parse_args(["--stage", "all", "--budget-s", "500", "--lengths", "1M"])
+    assert gpu_suite.run_all_in_children(args, time.monotonic() + 500) == 0
+    assert [c[c.index("--stage") + 1] for c in commands] == list(gpu_suite.STAGES)
+    assert all(float(c[c.index("--budget-s") + 1]) <= 500 and "1M" in c for c in commands)
+
+
 def test_kernels_stage_runs_on_cpu_and_writes_its_report(tmp_path):
     args = gpu_suite.parse_args(["--stage", "kernels", "--out", str(tmp_path)])
     report = gpu_suite.run_stage("kernels", args, ["--stage", "kernels"], device="cpu")
@@ -131,7 +166,7 @@ def test_speed_results_are_checked_against_an_independent_computation(monkeypatc
     runs = gpu_suite.plan_runs("speed", ("1M",))
     steps = {"ulysses": 300.0, "upipe": 310.0}
 
-    def fake(run):
+    def fake(run, timeout_s=None):
         return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b", "ok": True,
                 "oom": False, "measurement": _fake_record(run.method, run.length, steps[run.method], 2**20)}
 
@@ -148,7 +183,7 @@ def test_memory_series_stops_at_the_first_oom(monkeypatch):
     runs = [r for r in gpu_suite.plan_runs("memory", ("4M", "5M", "6M")) if r.method == "ulysses"]
     calls = []
 
-    def fake(run):
+    def fake(run, timeout_s=None):
         calls.append(run.length)
         return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b",
                 "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "ok": True,

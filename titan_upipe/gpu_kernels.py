@@ -70,7 +70,8 @@ def contract_checks(device: str) -> list[dict]:
     results = []
     for name in AUTO_ORDER:
         cls = BACKENDS[name]
-        reason = cls.unavailable_reason()
+        # On a CPU run only sdpa takes CPU tensors, whatever this host has installed.
+        reason = cls.unavailable_reason() if device == "cuda" or name == "sdpa" else "runs on CUDA tensors only"
         if reason is not None:
             results.append(_result("contract", name, True, reason, skipped=True))
             continue
@@ -116,10 +117,10 @@ def fused_ce_checks(device: str) -> list[dict]:
     plain = {n: _rel(t, ref[n]) for n, t in _ce_grads(_stock_ce, hidden, weight, labels, torch.bfloat16).items()}
     paths = {"torch (chunked)": lambda h, w, y: ChunkedLinearCrossEntropy.apply(h, w, y, tokens // 8)}
     results = []
-    if liger_available():
+    if device == "cuda" and liger_available():
         paths["liger"] = _liger_sum
     else:
-        results.append(_result("fused_ce", "liger", True, "needs CUDA and liger-kernel", skipped=True))
+        results.append(_result("fused_ce", "liger", True, "needs CUDA tensors and liger-kernel", skipped=True))
     for name, fn in paths.items():
         errors = {n: _rel(t, ref[n]) for n, t in _ce_grads(fn, hidden, weight, labels, torch.bfloat16).items()}
         ok, detail = _within(errors, plain, torch.bfloat16)
@@ -197,7 +198,7 @@ def _convert_everything(model: torch.nn.Module, mesh, device: str) -> dict[str, 
     from titan_upipe.transforms.model_forward import enable_fused_rope
     from titan_upipe.transforms.offload import apply_offloaded_ac
 
-    backend = choose_backend("auto", torch.bfloat16)
+    backend = choose_backend("auto", torch.bfloat16) if device == "cuda" else choose_backend("sdpa")
     enable_fused_rope(model)
     for block in model.layers.values():
         block.attention = convert_attention(block.attention, "upipe", mesh, heads_per_stage=None,
@@ -205,7 +206,7 @@ def _convert_everything(model: torch.nn.Module, mesh, device: str) -> dict[str, 
                                             compute_dtype=torch.bfloat16)
     tile_feed_forwards(model, 64)
     tile_rms_norms(model, 64)
-    ce_backend = resolve_backend("auto")
+    ce_backend = resolve_backend("auto") if device == "cuda" else "torch"
     fuse_cross_entropy(model, chunk_tokens=0, backend=ce_backend)
     apply_offloaded_ac(model, pin_memory=device == "cuda")
     return {"attention": backend.describe(), "ce": ce_backend}

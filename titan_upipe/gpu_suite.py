@@ -25,9 +25,11 @@ speed       one emulated step of 2 layers, UPipe and Ulysses with the same kerne
             the paper's Table 3
 =========== ========================================================================================
 
-A stage runs its runs in order while the next one's estimate fits the remaining
-``--budget-s`` (default 540 s, under a 10-minute call); the rest are listed in the report with
-the command that runs them. Estimates come from the paper's Table 5 FA3 times per layer (the
+A call runs its runs in order while the next one's estimate fits before the call's deadline,
+``--budget-s`` from its start (default 540 s, under a 10-minute call; ``all`` shares it among the
+stages, each in a child process of its own); the rest are listed in the report with the command
+that runs them, and every emulator child is killed at the deadline. Reports are rewritten after
+every run, so a killed call keeps what it measured. Estimates come from the paper's Table 5 FA3 times per layer (the
 attention dominates) plus a fixed start-up cost: a plan, not a measurement.
 Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>-<lengths>.*`` with ``--lengths``)
 under ``docs/benchmarks/gpu/`` (device, torch, driver, date, the exact command).
@@ -45,6 +47,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -133,8 +136,9 @@ def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
         return [Run("kernels", name, estimate_s=est) for name, est in
                 (("contract", 60), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60))]
     if stage == "memory":
+        # length-major: a call that covers the short lengths covers both methods there
         runs = [_llama_run("memory", method, length, stop_group=method)
-                for method in ("ulysses", "upipe") for length in wanted(MEMORY_LLAMA_LENGTHS)]
+                for length in wanted(MEMORY_LLAMA_LENGTHS) for method in ("ulysses", "upipe")]
         # Qwen3-32B's 64 heads over 16 GPUs: the same attention work per rank and layer as
         # Llama3-8B's 32 heads over 8, so the same per-layer estimate.
         runs += [Run("memory", f"qwen3_32b upipe_usp {length}",
@@ -198,9 +202,12 @@ class StageReport:
     def ok(self) -> bool:
         return all(r.get("ok", True) for r in self.results)
 
+    def paths(self, out_dir: Path) -> tuple[Path, Path]:
+        return out_dir / f"{self.label}.json", out_dir / f"{self.label}.md"
+
     def write(self, out_dir: Path) -> tuple[Path, Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = out_dir / f"{self.label}.json", out_dir / f"{self.label}.md"
+        json_path, md_path = self.paths(out_dir)
         json_path.write_text(json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=str) + "\n")
         md_path.write_text("\n".join(self.markdown()) + "\n")
         return json_path, md_path
@@ -263,10 +270,24 @@ TABLES = {"kernels": _kernel_table, "memory": _memory_table, "speed": _speed_tab
 # --- running emulator stages -----------------------------------------------------------------
 
 
-def _run_emulator(run: Run) -> dict:
-    """One emulator process (a fresh CUDA context and fake process group per run)."""
+def child_env() -> dict[str, str]:
+    """The environment of the suite's child processes: this checkout importable from anywhere."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "PYTHONUNBUFFERED": "1"}
+
+
+def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
+    """One emulator process (a fresh CUDA context and fake process group per run), killed after
+    ``timeout_s`` (the call's deadline)."""
     started = time.perf_counter()
-    proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True, env=child_env(),
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
+                "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "oom": False, "measurement": None,
+                "ok": False, "wall_s": time.perf_counter() - started,
+                "error": f"killed after {timeout_s:.0f} s: the call's deadline (estimate {run.estimate_s:.0f} s)"}
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
     record = records[-1] if records else None
     result = {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
@@ -295,15 +316,24 @@ def _add_memory_context(result: dict) -> None:
     result["paper_gib"] = paper_value("4", model, method, "peak_memory", result["length"])
 
 
-def run_emulator_stage(stage: str, runs: list[Run]) -> list[dict]:
+def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = None,
+                       on_result: Callable[[list[dict], list[Run]], None] | None = None) -> list[dict]:
+    """Run ``runs`` in order while the next one's estimate fits before ``deadline``
+    (``time.monotonic()``); ``on_result(results, not_started)`` after each, so a report is on
+    disk even if the call is killed."""
     results, stopped = [], set()
-    for run in runs:
+    for i, run in enumerate(runs):
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and run.estimate_s > remaining:
+            if on_result:
+                on_result(results, runs[i:])
+            return results
         if run.stop_group and run.stop_group in stopped:
             results.append({"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
                             "command": " ".join(run.argv[1:]), "skipped": True, "ok": True,
                             "oom": True, "detail": "a shorter length of this series did not fit"})
             continue
-        result = _run_emulator(run)
+        result = _run_emulator(run, remaining)
         if result["oom"] and run.stop_group:
             stopped.add(run.stop_group)
         if stage == "memory":
@@ -311,8 +341,10 @@ def run_emulator_stage(stage: str, runs: list[Run]) -> list[dict]:
         results.append(result)
         print(f"[{stage}] {run.name}: {'OOM' if result['oom'] else ('ok' if result['ok'] else 'FAILED')} "
               f"({result.get('wall_s', 0):.0f} s)", flush=True)
-    if stage == "speed":
-        _add_speed_context(results)
+        if stage == "speed":
+            _add_speed_context(results)
+        if on_result:
+            on_result(results, runs[i + 1:])
     return results
 
 
@@ -344,8 +376,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lengths", default=None,
                         help=f"comma-separated lengths for the memory/speed stages, of {', '.join(LENGTHS)}")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                        help=f"seconds a stage may plan to use (default {DEFAULT_BUDGET_S})")
-    parser.add_argument("--out", default=str(REPORT_DIR), help=f"report folder (default {REPORT_DIR})")
+                        help=f"seconds this call may use, all stages together (default {DEFAULT_BUDGET_S})")
+    parser.add_argument("--out", default=str(REPORT_DIR),
+                        help=f"report folder (default {REPORT_DIR}; on the device tool's machine use $OUT, the "
+                             "folder that comes back)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check arguments, configs, the wheel manifest and print the plan; run nothing")
     args = parser.parse_args(argv)
@@ -410,28 +444,58 @@ def main(argv: list[str] | None = None) -> int:
         print("titan_upipe.gpu_suite: no CUDA device here; run it on a GPU machine, or use --dry-run to check "
               "the arguments, configs, wheels and plan", file=sys.stderr)
         return 2
-    ok = True
-    for stage in selected_stages(args.stage):
-        report = run_stage(stage, args, argv)
-        paths = report.write(Path(args.out))
-        print(f"[{stage}] {'ok' if report.ok else 'FAILED'}: {paths[0]}, {paths[1]}")
-        ok &= report.ok
-    return 0 if ok else 1
+    deadline = time.monotonic() + args.budget_s
+    if args.stage == "all":
+        return run_all_in_children(args, deadline)
+    report = run_stage(args.stage, args, argv, deadline=deadline)
+    print(f"[{args.stage}] {'ok' if report.ok else 'FAILED'}: {report.paths(Path(args.out))}")
+    return 0 if report.ok else 1
 
 
-def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda") -> StageReport:
+def run_all_in_children(args: argparse.Namespace, deadline: float) -> int:
+    """``--stage all``: each stage in a process of its own (no CUDA context or cached blocks of one
+    stage skew the next one's memory), all within the one deadline of this call."""
+    codes = []
+    for stage in STAGES:
+        remaining = deadline - time.monotonic()
+        if remaining < 30:
+            print(f"[{stage}] not started: the call's --budget-s is spent; run --stage {stage}", flush=True)
+            codes.append(1)
+            continue
+        child = [sys.executable, "-m", "titan_upipe.gpu_suite", "--stage", stage, "--budget-s", f"{remaining:.0f}",
+                 "--out", args.out, *(["--lengths", ",".join(args.lengths)] if args.lengths else [])]
+        codes.append(subprocess.run(child, cwd=REPO, env=child_env()).returncode)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda",
+              deadline: float | None = None) -> StageReport:
+    """One stage; its report is written to ``args.out`` after every run, not only at the end."""
     report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None)
+    out = Path(args.out)
     if stage == "kernels":
         from titan_upipe.gpu_kernels import run_kernel_checks
 
         report.results = run_kernel_checks(device)
+        report.write(out)
         return report
-    now, later = schedule_within(plan_runs(stage, args.lengths), args.budget_s)
-    report.results = run_emulator_stage(stage, now)
-    report.not_run = [{"name": r.name, "estimate_s": r.estimate_s,
-                       "command": f"python -m titan_upipe.gpu_suite --stage {stage} --lengths {r.length}"}
-                      for r in later]
+    runs = plan_runs(stage, args.lengths)
+    if deadline is None:
+        runs, later = schedule_within(runs, args.budget_s)
+        report.not_run = _not_run(stage, later)
+
+    def save(results: list[dict], not_started: list[Run]) -> None:
+        report.results, report.not_run = results, _not_run(stage, not_started)
+        report.write(out)
+
+    report.results = run_emulator_stage(stage, runs, deadline, save)
+    report.write(out)
     return report
+
+
+def _not_run(stage: str, runs: list[Run]) -> list[dict]:
+    return [{"name": r.name, "estimate_s": r.estimate_s,
+             "command": f"python -m titan_upipe.gpu_suite --stage {stage} --lengths {r.length}"} for r in runs]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ it works before torchtitan is installed (``import titan_upipe`` imports torchtit
     python3 titan_upipe/gpu_wheels.py split .whl      # after pip download: parts + manifest.json
     python3 titan_upipe/gpu_wheels.py install .whl --target /tmp/site   # reassemble, verify, install
     python3 titan_upipe/gpu_wheels.py check .whl      # what the suite's --dry-run prints
+    python3 titan_upipe/gpu_wheels.py list            # name==version of every wheel to download
 
 ``.whl/manifest.json`` lists each wheel with its sha256 and size, and for a wheel larger than
 ``PART_BYTES`` the parts it was split into (the wheel itself is then removed, so only parts
@@ -27,21 +28,37 @@ PART_BYTES = 60 * 2**20
 """Largest file that travels in one piece (a transfer carries 64 MiB at most)."""
 
 REQUIRED = {
+    # the plugin's own needs beyond torch
     "torchtitan": "0.2.2",
-    "liger_kernel": "0.8.5",
-    "flash_attn_4": "4.0.0b36",
-    "nvidia_cutlass_dsl": "4.8.1",
-    "nvidia_cutlass_dsl_libs_base": "4.8.1",
-    "nvidia_cutlass_dsl_libs_cu13": "4.8.1",
-    "quack_kernels": "0.6.5",
-    "apache_tvm_ffi": "0.1.15.post2",
-    "torch_c_dlpack_ext": "0.1.5",
-    "tomli": None,
-    "einops": None,
+    "liger-kernel": "0.8.5",
+    "flash-attn-4": "4.0.0b36",
+    "tomli": "2.5.0",
+    # FlashAttention-4's CuTe DSL stack (the cu13 libs match the machines' CUDA 13)
+    "nvidia-cutlass-dsl": "4.8.1",
+    "nvidia-cutlass-dsl-libs-base": "4.8.1",
+    "nvidia-cutlass-dsl-libs-cu13": "4.8.1",
+    "quack-kernels": "0.6.5",
+    "apache-tvm-ffi": "0.1.15.post2",
+    "torch-c-dlpack-ext": "0.1.5",
+    # what `import torchtitan` pulls in that the GPU image lacks (its pandas, pyarrow, xxhash,
+    # fsspec, huggingface-hub, requests, pyyaml and tqdm are used as they are)
+    "datasets": "5.2.0",
+    "dill": "0.4.1",
+    "multiprocess": "0.70.19",
+    "torchdata": "0.11.0",
+    "tyro": "1.0.17",
+    "docstring-parser": "0.18.0",
+    "typeguard": "4.6.0",
 }
-"""Distribution (wheel file name prefix) -> version (None: any). What the suite needs beyond the
-GPU machine's torch 2.11, triton and tensorboard: torchtitan, Liger, FlashAttention-4 and the
-CuTe DSL stack it compiles with (``../shared/notes/gpu.md`` lists the known-good set)."""
+"""pip name -> version: every wheel the suite carries (``scripts/gpu_wheels.sh`` downloads exactly
+these, ``--no-deps``). What the GPU machines lack beyond their torch 2.11, triton, tensorboard and
+the image's other packages (``../shared/notes/gpu.md``, the device tool's package list); versions
+are the ones this project's CI environment resolves for torchtitan 0.2.2."""
+
+
+def normalized(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
 
 MANIFEST = "manifest.json"
 
@@ -57,7 +74,7 @@ def _sha256(path: Path) -> str:
 def wheel_name(file_name: str) -> tuple[str, str]:
     """``flash_attn_4-4.0.0b36-py3-none-any.whl`` -> ("flash_attn_4", "4.0.0b36")."""
     name, version = file_name.split("-")[:2]
-    return name.lower().replace("-", "_").replace(".", "_"), version
+    return normalized(name), version
 
 
 def split(folder: Path, part_bytes: int = PART_BYTES) -> dict:
@@ -93,7 +110,7 @@ def reassemble(folder: Path) -> list[Path]:
     wheels = []
     for entry in manifest["wheels"]:
         target = folder / entry["file"]
-        if entry["parts"] and not target.exists():
+        if entry["parts"]:  # always from the parts: a wheel left from an interrupted run may be partial
             with open(target, "wb") as out:
                 for part in entry["parts"]:
                     out.write((folder / part).read_bytes())
@@ -127,10 +144,11 @@ def check_manifest(folder: Path) -> tuple[list[str], list[str]]:
         lines.append(f"  {entry['file']} ({entry['bytes'] / 2**20:.1f} MiB" +
                      (f", {len(entry['parts'])} parts)" if entry["parts"] else ")"))
     for name, version in REQUIRED.items():
-        if name not in found:
-            problems.append(f"wheels: {name} is missing (scripts/gpu_wheels.sh downloads it)")
-        elif version is not None and found[name] != version:
-            problems.append(f"wheels: {name} {found[name]}, the suite is validated with {version}")
+        key = normalized(name)
+        if key not in found:
+            problems.append(f"wheels: {key} is missing (scripts/gpu_wheels.sh downloads it)")
+        elif found[key] != version:
+            problems.append(f"wheels: {key} {found[key]}, the suite is validated with {version}")
     return problems, lines
 
 
@@ -142,11 +160,13 @@ def install(folder: Path, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["split", "install", "check"])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("action", choices=["split", "install", "check", "list"])
+    parser.add_argument("folder", type=Path, nargs="?", default=Path(".whl"))
     parser.add_argument("--target", type=Path, default=Path("/tmp/site"), help="install: where (PYTHONPATH)")
     args = parser.parse_args(argv)
-    if args.action == "split":
+    if args.action == "list":
+        print("\n".join(f"{name}=={version}" for name, version in REQUIRED.items()))
+    elif args.action == "split":
         manifest = split(args.folder)
         print(f"{len(manifest['wheels'])} wheels in {args.folder / MANIFEST}")
     elif args.action == "install":

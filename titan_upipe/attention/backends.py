@@ -43,7 +43,7 @@ flash_attn4 FlashAttention-4 (``flash-attn-4``:            Hopper, Blackwell   f
             ``flash_attn.cute``)
 auto        at conversion, the first of flash_attn4 >      --                  --
             flash_attn3 > flash_attn > sdpa usable here
-            for the compute dtype (``resolve_backend``)
+            for the compute dtype (``choose_backend``)
 =========== ============================================== =================== ==========
 
 The flash-attn packages are imported lazily; a missing one raises a ConfigError at
@@ -83,8 +83,9 @@ class LocalAttentionBackend(ABC):
 
     @classmethod
     def unavailable_reason(cls, probe: bool = True) -> str | None:
-        """None when usable here, else why not. ``probe=False`` imports nothing and creates no CUDA
-        context (the check before process groups start); conversion probes fully."""
+        """None when usable here, else why not. ``probe=False`` imports nothing and asks CUDA
+        nothing (the check before process groups start, which may run on a machine without a
+        GPU); conversion probes fully."""
         return None
 
     @classmethod
@@ -311,14 +312,23 @@ class SdpaBackend(LocalAttentionBackend):
         return self._kernels(q).backward(dout, q, k, v, out, lse, scale, causal)
 
 
+ESSENTIAL_ARGUMENTS = ("softmax_scale", "causal")
+"""Arguments a flash-attn internal must accept by these names: dropped silently (a release that
+renamed one), the kernel would run with its default scale or mask."""
+
+
 def _call_by_name(fn: Callable[..., Any], values: dict[str, Any]) -> Any:
     """Call a flash-attn internal whose positional signature changes between releases,
-    binding our arguments by parameter name and leaving the rest at their defaults."""
+    binding our arguments by parameter name and leaving the rest at their defaults (``values``
+    may name alternatives a release does not have, e.g. ``window_size`` or its two halves)."""
     params = inspect.signature(fn).parameters
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values
                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if missing:
-        raise ConfigError(f"{fn.__module__}.{fn.__name__} needs arguments {missing} this backend does not know")
+    unknown = [n for n in ESSENTIAL_ARGUMENTS if n in values and n not in params]
+    if missing or unknown:
+        raise ConfigError(f"{fn.__module__}.{fn.__name__} needs arguments {missing} this backend does not know"
+                          if missing else f"{fn.__module__}.{fn.__name__} takes no {unknown}: this release of the "
+                          "package does not match the backend (a scale or mask would be dropped)")
     return fn(**{n: v for n, v in values.items() if n in params})
 
 
@@ -347,12 +357,14 @@ class _FlashAttnFamily(LocalAttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, probe: bool = True) -> str | None:
-        if not torch.cuda.is_available():
-            return f"{cls.name} needs a CUDA device"
+        # Without probing (before process groups, possibly on a login node without a GPU) only
+        # the package's metadata is read; the device is probed at conversion.
         if not cls.installed():
             return f"{cls.name} needs the {cls.distribution!r} package (pip install {cls.distribution})"
         if not probe:
             return None
+        if not torch.cuda.is_available():
+            return f"{cls.name} needs a CUDA device"
         major = torch.cuda.get_device_capability()[0]
         if major not in cls.capabilities:
             return (f"{cls.name} supports compute capability {'/'.join(f'{m}.x' for m in cls.capabilities)}, "
@@ -492,7 +504,7 @@ def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = 
     """Resolve ``[upipe] attention_backend`` for inputs of ``dtype`` (None: not known yet) and,
     with ``ring``, for ring/USP. ``auto`` takes the first usable name of ``AUTO_ORDER``; a
     named backend that cannot run here raises ConfigError naming why and the valid choices.
-    ``probe=False``: no import, no CUDA context (see ``unavailable_reason``)."""
+    ``probe=False``: no import, no CUDA query (see ``unavailable_reason``)."""
     if setting == AUTO:
         passed_over = []
         for name in AUTO_ORDER:

@@ -50,18 +50,22 @@ class ContractCase:
     seq_len: int = 64
     head_dim: int = 64
     batch: int = 2
-    scale: float = 0.125
+    scale: float = 0.1
+    """Not ``head_dim ** -0.5``: a kernel that ignored the scale it is given would pass otherwise."""
 
     @property
     def id(self) -> str:
         kind = "causal" if self.causal else "full"
-        return f"{kind}-H{self.n_heads}KV{self.n_kv_heads}-{str(self.dtype).removeprefix('torch.')}"
+        shape = "" if (self.seq_len, self.head_dim) == (64, 64) else f"-S{self.seq_len}D{self.head_dim}"
+        return f"{kind}-H{self.n_heads}KV{self.n_kv_heads}{shape}-{str(self.dtype).removeprefix('torch.')}"
 
 
 def contract_cases(dtypes: tuple[torch.dtype, ...]) -> list[ContractCase]:
-    """Causal and full blocks, GQA 4:1 and MHA, in each dtype."""
-    return [ContractCase(causal, h, kv, dtype) for dtype in dtypes for causal in (True, False)
-            for h, kv in ((8, 2), (4, 4))]
+    """Causal and full blocks, GQA 4:1 and MHA, in each dtype; plus Llama3/Qwen3's head_dim 128
+    with blocks of 100 rows (not a multiple of the kernels' 32/64/128-row tiles and LSE padding)."""
+    small = [ContractCase(causal, h, kv, dtype) for dtype in dtypes for causal in (True, False)
+             for h, kv in ((8, 2), (4, 4))]
+    return small + [ContractCase(True, 8, 2, dtype, seq_len=200, head_dim=128, batch=1) for dtype in dtypes]
 
 
 @dataclass(frozen=True)
