@@ -168,9 +168,9 @@ def test_auto_takes_the_fastest_usable_backend_for_the_dtype(monkeypatch):
 
 def test_named_backend_that_cannot_run_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: False))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: .*pip install flash-attn-4"):
         choose_backend("flash_attn4", torch.bfloat16)
-    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'flash_attn4' is not usable here: flash_attn4 needs a CUDA device"):
         choose_backend("flash_attn4", torch.bfloat16)

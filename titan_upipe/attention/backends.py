@@ -359,12 +359,12 @@ class _FlashAttnFamily(LocalAttentionBackend):
     def unavailable_reason(cls, probe: bool = True) -> str | None:
         # Without probing (before process groups, possibly on a login node without a GPU) only
         # the package's metadata is read; the device is probed at conversion.
+        if probe and not torch.cuda.is_available():
+            return f"{cls.name} needs a CUDA device"
         if not cls.installed():
             return f"{cls.name} needs the {cls.distribution!r} package (pip install {cls.distribution})"
         if not probe:
             return None
-        if not torch.cuda.is_available():
-            return f"{cls.name} needs a CUDA device"
         major = torch.cuda.get_device_capability()[0]
         if major not in cls.capabilities:
             return (f"{cls.name} supports compute capability {'/'.join(f'{m}.x' for m in cls.capabilities)}, "
