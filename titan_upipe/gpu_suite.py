@@ -83,6 +83,11 @@ class Run:
     stop_group: str = ""
     """Runs of one group stop at the first OOM (the "upward until it no longer fits" series)."""
 
+    def result(self, **fields) -> dict:
+        """A result record of this run: what identifies it, then ``fields``."""
+        return {"name": self.name, "method": self.method, "length": self.length, "model": self.name.split()[0],
+                "command": " ".join(self.argv[1:]), "argv": list(self.argv[1:]), **fields}
+
 
 @functools.cache
 def _paper_rows() -> tuple[dict[str, str], ...]:
@@ -284,17 +289,12 @@ def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
         proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True, env=child_env(),
                               timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
-                "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "oom": False, "measurement": None,
-                "ok": False, "wall_s": time.perf_counter() - started,
-                "error": f"killed after {timeout_s:.0f} s: the call's deadline (estimate {run.estimate_s:.0f} s)"}
+        return run.result(oom=False, measurement=None, ok=False, wall_s=time.perf_counter() - started,
+                          error=f"killed after {timeout_s:.0f} s: the call's deadline (estimate {run.estimate_s:.0f} s)")
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
     record = records[-1] if records else None
-    result = {"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
-              "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "wall_s": time.perf_counter() - started,
-              "oom": bool(record and record.get("oom")), "measurement": None if record is None or record.get("oom")
-              else record}
-    result["ok"] = record is not None
+    result = run.result(wall_s=time.perf_counter() - started, oom=bool(record and record.get("oom")),
+                        measurement=None if record is None or record.get("oom") else record, ok=record is not None)
     if record is None:
         result["error"] = (proc.stderr or proc.stdout)[-2000:]
     return result
@@ -329,9 +329,8 @@ def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = Non
                 on_result(results, runs[i:])
             return results
         if run.stop_group and run.stop_group in stopped:
-            results.append({"name": run.name, "method": run.method, "length": run.length, "model": run.name.split()[0],
-                            "command": " ".join(run.argv[1:]), "skipped": True, "ok": True,
-                            "oom": True, "detail": "a shorter length of this series did not fit"})
+            results.append(run.result(skipped=True, ok=True, oom=True,
+                                      detail="a shorter length of this series did not fit"))
             continue
         result = _run_emulator(run, remaining)
         if result["oom"] and run.stop_group:

@@ -1243,8 +1243,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: cuda (for a TOML: cpu when mixed_precision_param is float32)")
     parser.add_argument("--pin-memory", choices=["auto", "true", "false"], default="auto",
                         help="--model only: offload buffers pinned, pageable, or pinned when they fit (auto)")
+    # No "auto" here: a TOML's auto is planned as PLAN_AUTO_BACKEND.
     parser.add_argument("--attention-backend", default="flash_attn3",
-                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],  # auto: see PLAN_AUTO_BACKEND
+                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],
                         help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
     parser.add_argument("--no-transforms", action="store_true",
                         help="--model only: full AC without offload and no tiling/fusing")

@@ -214,7 +214,8 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     recorded (what the ``fused_rope`` transform turns on; off keeps TorchTitan's RoPE op order).
     ``backend``: a name of ``titan_upipe.attention.BACKENDS`` or ``"auto"``, resolved for inputs of
     ``compute_dtype`` (None: checked at the first call); ring modes refuse a backend whose
-    backward does not honour the merged out/lse. Every setting is validated here, before any communication, raising ConfigError.
+    backward does not honour the merged out/lse. Every setting is validated here, before any
+    communication, raising ConfigError.
     """
     check_mode(mode)
     ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
