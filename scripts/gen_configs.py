@@ -115,7 +115,7 @@ def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
     parallelism: dict[str, object] = {"data_parallel_shard_degree": -1, "context_parallel_degree": recipe.cp_degree}
     result: dict[str, dict[str, object]] = {
         "job": job,
-        "experimental": {"custom_import": "titan_upipe"},
+        "experimental": {"custom_import": "titan_upipe.plugin"},
         "model": model,
         "metrics": {"log_freq": 1, "enable_tensorboard": True, "save_tb_folder": "tb"},
         "optimizer": {"name": "AdamW", "lr": 2e-5 if recipe.gpu else 3e-3, "implementation": "foreach"},

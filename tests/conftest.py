@@ -1,6 +1,6 @@
 import os
 
-# Tests run on CPU with gloo even on a GPU machine; importing titan_upipe first
+# Tests run on CPU with gloo even on a GPU machine; registering the plugin first
 # picks the device before TorchTitan reads it.
 os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -8,7 +8,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 from trainer_utils import E2E_STEPS, create_seed_checkpoint, load_seed, torchrun  # noqa: E402
 
-import titan_upipe  # noqa: E402,F401
+from titan_upipe.registry import register_plugin  # noqa: E402
+
+register_plugin()
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ def test_every_committed_config_parses(config):
     job = parse_config(["--job.config_file", str(REPO / config)])
     assert job.model.name.startswith("upipe_")
     assert job.job.custom_config_module == "titan_upipe.config"
-    assert job.experimental.custom_import == "titan_upipe"
+    assert job.experimental.custom_import == "titan_upipe.plugin"
 
 
 def test_upipe_section_from_toml_and_cli(tmp_path):

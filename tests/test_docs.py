@@ -75,15 +75,14 @@ def test_choice_keys_list_every_valid_value():
 
 
 def test_every_converter_and_train_spec_is_documented():
-    from titan_upipe import converters, specs
-    from titan_upipe.transforms import converters as transform_converters
+    from titan_upipe import converters, flavors
 
     doc = CONFIG_DOC.read_text()
-    names = [*converters.CONVERTERS, *transform_converters.CONVERTERS]
+    names = [*converters.CP_CONVERTERS, *converters.TRANSFORM_CONVERTERS]
     missing = [name for name in names if f"`{name}`" not in doc]
     assert not missing, f"converters missing from docs/config.md: {missing}"
-    flavors = [*specs.LLAMA3_DEBUG_FLAVORS, *specs.QWEN3_DEBUG_FLAVORS]
-    for name in (specs.LLAMA3_SPEC, specs.QWEN3_SPEC, *flavors):
+    debug_flavors = [*flavors.LLAMA3_DEBUG_FLAVORS, *flavors.QWEN3_DEBUG_FLAVORS]
+    for name in (flavors.LLAMA3_SPEC, flavors.QWEN3_SPEC, *debug_flavors):
         assert f"`{name}`" in doc, f"{name} missing from docs/config.md"
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_upipe.memory_tracker import LiveTensorTracker
-from titan_upipe.transforms.converters import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
+from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy
 from titan_upipe.transforms.model_forward import FinalHiddenStates, enable_fused_rope
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac

@@ -81,3 +81,10 @@ def test_committed_ring_and_usp_configs_are_valid():
 def test_invalid_ring_and_usp_jobs(config, overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         check_job(job(*overrides, config=config), world_size=world)
+
+
+def test_the_old_custom_import_value_is_refused_with_the_new_one():
+    """``custom_import = "titan_upipe"`` would register nothing under torchtitan.train now."""
+    with pytest.raises(ConfigError, match=r"set it to 'titan_upipe.plugin'"):
+        check_job(job("--experimental.custom_import", "titan_upipe"), world_size=2)
+    check_job(job("--experimental.custom_import", ""), world_size=2)

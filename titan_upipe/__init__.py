@@ -1,22 +1,26 @@
 """titan_upipe: UPipe context parallelism and long-context memory transforms for TorchTitan 0.2.2.
 
-Importing the package registers everything (train specs, datasets, model
-converters), so both launch styles work:
+Three layers, imports pointing down only (docs/architecture.md):
 
-* ``torchrun ... -m titan_upipe.train --job.config_file X.toml`` (our entry point), or
-* ``torchrun ... -m torchtitan.train`` with ``experimental.custom_import = "titan_upipe"``
+==============  ===========================================================================
+layer           modules
+==============  ===========================================================================
+core            ``errors``, ``parallel`` (CP layout, sequence layouts, meshes), ``attention``
+                (Ulysses, UPipe, ring, USP, kernels), ``transforms`` (tiling, fused RoPE/CE,
+                offload), ``memory_tracker``: torch and TorchTitan's model classes only
+TorchTitan      ``config``, ``flavors``, ``validation`` (job checks), ``metrics``,
+glue            ``parallelize``, ``specs``, ``converters``, ``trainer``, ``cpu_runtime``,
+                ``data``, ``registry`` (``register_plugin``), ``plugin``, ``train``
+tools           ``validate``, ``check``, ``plan``, ``emulate``, ``gpu_suite`` (+ ``gpu_kernels``,
+                ``gpu_wheels``)
+==============  ===========================================================================
+
+Importing the package or any module has no side effects. Registration with TorchTitan is
+``titan_upipe.registry.register_plugin()``, called by the entry points:
+
+* ``torchrun ... -m titan_upipe.train --job.config_file X.toml`` (ours), or
+* ``torchrun ... -m torchtitan.train`` with ``experimental.custom_import = "titan_upipe.plugin"``
   and ``job.custom_config_module = "titan_upipe.config"`` in the TOML.
-
-On a machine without an accelerator the CPU runtime is switched on first,
-before TorchTitan's device globals are read (see ``titan_upipe.cpu_runtime``).
 """
-
-from titan_upipe import cpu_runtime
-
-cpu_runtime.activate()
-
-from titan_upipe.registry import register_all  # noqa: E402  (after the device is chosen)
-
-register_all()
 
 __version__ = "0.1.0"

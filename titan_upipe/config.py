@@ -13,12 +13,12 @@ the valid choices: a bad value fails before any process group starts.
 
 from dataclasses import dataclass, field
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4")
-KERNEL_BACKENDS = ("auto", "torch", "liger")
+from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
+from titan_upipe.errors import ConfigError
+from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
-
-class ConfigError(ValueError):
-    """A setting that cannot run exactly; the message names it and the valid choices."""
+__all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig",
+           "Transforms", "UPipe"]
 
 
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
@@ -100,7 +100,7 @@ class Transforms:
 class ActivationCheckpointOffload:
     """Fields merged into TorchTitan's own ``[activation_checkpoint]`` section (TorchTitan merges
     same-named sections field by field; its ``mode`` etc. stay as they are). Checked by
-    ``titan_upipe.transforms.validation`` because the merged section keeps TorchTitan's class."""
+    ``titan_upipe.validation.check_offload`` because the merged section keeps TorchTitan's class."""
 
     cpu_offload: bool = False
     """With ``mode = "full"``: keep each block's saved input in host memory between forward and

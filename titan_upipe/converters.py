@@ -1,12 +1,17 @@
-"""Model converters ``ulysses``, ``upipe``, ``ring`` and ``usp``: context-parallel attention in every block.
+"""The plugin's TorchTitan model converters (``model.converters``).
 
-TorchTitan applies converters on the meta device, before ``parallelize_fn`` and
-``init_weights``; ``convert_attention`` shares the block's parameters, so FSDP,
-checkpoints and weight initialisation see the unconverted parameter names.
-The mesh is derived from ``parallel_dims``' CP mesh and ``[upipe] ulysses_degree``
-(``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and
-the kernel come from ``[upipe]`` (``attention_backend = "auto"`` is resolved here, once, and
-logged with the reasons faster kernels were passed over).
+* ``ulysses``, ``upipe``, ``ring``, ``usp``: context-parallel attention in every block. The mesh
+  comes from ``parallel_dims``' CP mesh and the job's ``CPLayout``
+  (``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and the
+  kernel come from ``[upipe]`` (``attention_backend = "auto"`` is resolved here, once, and
+  logged with the reasons faster kernels were passed over).
+* ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``, ``fused_ce``: the memory transforms
+  (``titan_upipe.transforms``), sized by ``[transforms]``.
+
+TorchTitan applies converters in ``model.converters`` order on the meta device, before
+``parallelize_fn`` and ``init_weights``. Every converter keeps the parameters it touches (same
+objects, names and init), so FSDP, checkpoints and weight initialisation see the unconverted
+parameter names, and they compose in any order.
 """
 
 from __future__ import annotations
@@ -18,21 +23,25 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_upipe.attention import convert_attention
-from titan_upipe.config import ConfigError
+from titan_upipe.config import Transforms
+from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
+from titan_upipe.parallel.cp_layout import CPMode
+from titan_upipe.transforms.model_forward import enable_fused_rope
+from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.validation import attention_backend_choice, check_context_parallel, compute_dtype
 
 
 class _ContextParallelAttentionConverter:
-    mode: str
+    mode: CPMode
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        check_context_parallel(job_config)
-        self.cp_mesh = context_parallel_mesh(parallel_dims.get_mesh("cp"), self.mode, job_config.upipe.ulysses_degree)
-        self.heads_per_stage = job_config.upipe.heads_per_stage if self.mode == "upipe" else None
+        layout = check_context_parallel(job_config)
+        self.cp_mesh = context_parallel_mesh(parallel_dims.get_mesh("cp"), self.mode, layout.ulysses_setting)
+        self.heads_per_stage = layout.heads_per_stage if self.mode == CPMode.UPIPE else None
         # Resolved once here (auto included): every block gets the same kernel.
-        self.backend_choice = attention_backend_choice(job_config)
         self.compute_dtype = compute_dtype(job_config)
+        self.backend_choice = attention_backend_choice(job_config, layout=layout)
 
     def convert(self, model: nn.Module) -> None:
         # fused_rope may have run first (converters apply in model.converters order).
@@ -83,19 +92,59 @@ class _LayoutCheck:
 
 
 class UlyssesConverter(_ContextParallelAttentionConverter):
-    mode = "ulysses"
+    mode = CPMode.ULYSSES
 
 
 class UPipeConverter(_ContextParallelAttentionConverter):
-    mode = "upipe"
+    mode = CPMode.UPIPE
 
 
 class RingConverter(_ContextParallelAttentionConverter):
-    mode = "ring"
+    mode = CPMode.RING
 
 
 class USPConverter(_ContextParallelAttentionConverter):
-    mode = "usp"
+    mode = CPMode.USP
 
 
-CONVERTERS = {"ulysses": UlyssesConverter, "upipe": UPipeConverter, "ring": RingConverter, "usp": USPConverter}
+class _TransformConverter:
+    def __init__(self, job_config, parallel_dims) -> None:
+        self.settings = getattr(job_config, "transforms", None) or Transforms()
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+class TiledMLPConverter(_TransformConverter):
+    def convert(self, model: nn.Module) -> None:
+        n = tile_feed_forwards(model, self.settings.mlp_tile_tokens)
+        logger.info("tiled_mlp: %d feed-forwards, tile %s tokens", n, self.settings.mlp_tile_tokens or "d_model")
+
+
+class TiledRMSNormConverter(_TransformConverter):
+    def convert(self, model: nn.Module) -> None:
+        n = tile_rms_norms(model, self.settings.rmsnorm_tile_tokens)
+        logger.info("tiled_rmsnorm: %d norms, tile %s tokens", n, self.settings.rmsnorm_tile_tokens or "d_model")
+
+
+class FusedRoPEConverter(_TransformConverter):
+    def convert(self, model: nn.Module) -> None:
+        enable_fused_rope(model)
+        logger.info("fused_rope: RoPE rows computed per batch for its positions; no full-length table")
+
+
+class FusedCrossEntropyConverter(_TransformConverter):
+    def convert(self, model: nn.Module) -> None:
+        fuse_cross_entropy(model, self.settings.ce_chunk_tokens, self.settings.ce_backend)
+        logger.info("fused_ce: %s backend, no [S, vocab] logits", model.output.backend)
+
+
+CP_CONVERTERS = {cls.mode.value: cls for cls in (UlyssesConverter, UPipeConverter, RingConverter, USPConverter)}
+TRANSFORM_CONVERTERS = {
+    "tiled_mlp": TiledMLPConverter,
+    "tiled_rmsnorm": TiledRMSNormConverter,
+    "fused_rope": FusedRoPEConverter,
+    "fused_ce": FusedCrossEntropyConverter,
+}
+CONVERTERS = {**CP_CONVERTERS, **TRANSFORM_CONVERTERS}
+"""Every converter this plugin registers with TorchTitan, by name."""

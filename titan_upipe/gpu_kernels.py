@@ -19,9 +19,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.models.llama3.model.args import TransformerModelArgs
+from torchtitan.models.llama3.model.model import Transformer
 
+from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
 from titan_upipe.attention.contract import ERROR_FACTOR, check_contract, contract_cases
+from titan_upipe.transforms.fused_ce import (
+    ChunkedLinearCrossEntropy,
+    _liger_sum,
+    liger_available,
+    resolve_backend,
+)
+from titan_upipe.transforms.model_forward import enable_fused_rope
+from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
+from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100
@@ -103,8 +117,6 @@ def _stock_ce(h: Tensor, w: Tensor, labels: Tensor) -> Tensor:
 
 
 def fused_ce_checks(device: str) -> list[dict]:
-    from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy, _liger_sum, liger_available
-
     shapes = shapes_for(device)
     tokens, dim, vocab = shapes.ce_tokens, shapes.ce_dim, shapes.ce_vocab
     gen = torch.Generator().manual_seed(0)
@@ -133,9 +145,6 @@ def fused_ce_checks(device: str) -> list[dict]:
 
 def _debug_llama3(device: str, n_layers: int = 2, n_heads: int = 8, n_kv_heads: int = 2,
                   vocab: int = 512) -> torch.nn.Module:
-    from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
-
     shapes = shapes_for(device)
     args = TransformerModelArgs(dim=shapes.model_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                                 vocab_size=vocab, multiple_of=64, rope_theta=500000, max_seq_len=shapes.seq_len)
@@ -150,8 +159,6 @@ def _debug_llama3(device: str, n_layers: int = 2, n_heads: int = 8, n_kv_heads: 
 def offload_checks(device: str) -> list[dict]:
     """Block inputs to (pinned) host memory and back on the CUDA side streams: same gradients, bit
     for bit, as the plain model (same ops, same order), and every offloaded byte released."""
-    from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
-
     plain = _debug_llama3(device, n_layers=3)
     offloaded = copy.deepcopy(plain)
     apply_offloaded_ac(offloaded, pin_memory=device == "cuda")
@@ -183,8 +190,6 @@ PLAIN_BF16_SANITY = 0.05
 
 def _one_rank_cp_mesh(device: str):
     """A real 1-rank CP mesh (UPipe's all-to-alls over one rank), in a process group of its own."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
@@ -192,12 +197,6 @@ def _one_rank_cp_mesh(device: str):
 
 
 def _convert_everything(model: torch.nn.Module, mesh, device: str) -> dict[str, str]:
-    from titan_upipe.attention import convert_attention
-    from titan_upipe.transforms.converters import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
-    from titan_upipe.transforms.fused_ce import resolve_backend
-    from titan_upipe.transforms.model_forward import enable_fused_rope
-    from titan_upipe.transforms.offload import apply_offloaded_ac
-
     backend = choose_backend("auto", torch.bfloat16) if device == "cuda" else choose_backend("sdpa")
     enable_fused_rope(model)
     for block in model.layers.values():
@@ -215,7 +214,6 @@ def _convert_everything(model: torch.nn.Module, mesh, device: str) -> dict[str, 
 def parity_checks(device: str) -> list[dict]:
     """UPipe (1-rank mesh, U = 1: one head per stage through the GQA schedule), tiled MLP and
     RMSNorm, fused RoPE and CE, offloaded AC, in bf16, against TorchTitan's unconverted model."""
-    from torchtitan.components.loss import cross_entropy_loss
 
     reference = _debug_llama3(device)
     plain = copy.deepcopy(reference)

@@ -38,9 +38,7 @@ under ``docs/benchmarks/gpu/`` (device, torch, driver, date, the exact command).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import functools
 import json
 import os
 import platform
@@ -50,6 +48,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
+
+from titan_upipe.gpu_kernels import run_kernel_checks
+from titan_upipe.gpu_wheels import check_manifest
+from titan_upipe.paper_tables import paper_value
+from titan_upipe.plan import plan_from_job_config
+from titan_upipe.registry import register_plugin
+from titan_upipe.train import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
@@ -87,25 +94,6 @@ class Run:
         """A result record of this run: what identifies it, then ``fields``."""
         return {"name": self.name, "method": self.method, "length": self.length, "model": self.name.split()[0],
                 "command": " ".join(self.argv[1:]), "argv": list(self.argv[1:]), **fields}
-
-
-@functools.cache
-def _paper_rows() -> tuple[dict[str, str], ...]:
-    from titan_upipe.plan import PAPER_TABLES_CSV
-
-    with open(PAPER_TABLES_CSV, newline="") as f:
-        return tuple(csv.DictReader(f))
-
-
-def paper_value(table: str, model: str, method: str, metric: str, length: str) -> float | None:
-    """A cell of the paper's tables (None where empty or OOM)."""
-    for row in _paper_rows():
-        if (row["table"], row["model"], row["method"], row["metric"]) == (table, model, method, metric):
-            try:
-                return float(row.get(length) or "")
-            except ValueError:
-                return None
-    return None
 
 
 def attention_seconds_per_layer(length: str) -> float:
@@ -171,8 +159,6 @@ def schedule_within(runs: list[Run], budget_s: float) -> tuple[list[Run], list[R
 
 
 def environment(argv: list[str]) -> dict[str, str]:
-    import torch
-
     env = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
            "command": "python -m titan_upipe.gpu_suite " + " ".join(argv), "torch": torch.__version__,
            "python": platform.python_version(), "host": platform.node()}
@@ -301,9 +287,6 @@ def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
 
 
 def _add_memory_context(result: dict) -> None:
-    from titan_upipe.plan import plan_from_job_config
-    from titan_upipe.train import parse_config
-
     argv = result["argv"]
     config = argv[argv.index("--job.config_file") + 1]
     overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
@@ -399,9 +382,6 @@ def selected_stages(stage: str) -> tuple[str, ...]:
 
 def dry_run(args: argparse.Namespace) -> list[str]:
     """Everything a CPU machine can check; returns the problems (empty: ready)."""
-    from titan_upipe.gpu_wheels import check_manifest
-    from titan_upipe.train import parse_config
-
     problems = []
     for stage in selected_stages(args.stage):
         runs = plan_runs(stage, args.lengths)
@@ -431,14 +411,13 @@ def dry_run(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    register_plugin()
     if args.dry_run:
         problems = dry_run(args)
         for problem in problems:
             print(f"problem: {problem}", file=sys.stderr)
         print("dry run: " + ("ready" if not problems else f"{len(problems)} problem(s)"))
         return 1 if problems else 0
-    import torch
-
     if not torch.cuda.is_available():
         print("titan_upipe.gpu_suite: no CUDA device here; run it on a GPU machine, or use --dry-run to check "
               "the arguments, configs, wheels and plan", file=sys.stderr)
@@ -473,8 +452,6 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
     report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None)
     out = Path(args.out)
     if stage == "kernels":
-        from titan_upipe.gpu_kernels import run_kernel_checks
-
         report.results = run_kernel_checks(device)
         report.write(out)
         return report

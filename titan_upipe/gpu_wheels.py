@@ -1,7 +1,7 @@
 """The wheels the GPU suite carries to an offline GPU machine, split to fit one transfer.
 
 Standard library only, and runnable as a file (``python3 titan_upipe/gpu_wheels.py ...``) so that
-it works before torchtitan is installed (``import titan_upipe`` imports torchtitan):
+it works before torch and torchtitan are installed:
 
     python3 titan_upipe/gpu_wheels.py split .whl      # after pip download: parts + manifest.json
     python3 titan_upipe/gpu_wheels.py install .whl --target /tmp/site   # reassemble, verify, install

@@ -36,6 +36,7 @@ from typing import Any
 from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 
 from titan_upipe.transforms.offload import OFFLOAD_STATS
+from titan_upipe.validation import attention_backend_choice, cp_mode
 
 GIB = 1024**3
 
@@ -114,8 +115,6 @@ class LongContextMetricsProcessor(MetricsProcessor):
     def _write_attention_backend(self, job_config) -> None:
         """The kernel the attention converter runs (``auto`` resolved), as the run's text tag
         ``upipe/attention_backend``: the same pure resolution the converter logged."""
-        from titan_upipe.validation import attention_backend_choice, cp_mode
-
         if cp_mode(job_config.model.converters) is None:
             return
         text = attention_backend_choice(job_config).describe()

@@ -1,27 +1,34 @@
-"""One place that registers the plugin with TorchTitan; idempotent."""
+"""The one registration function: how TorchTitan learns about the plugin.
+
+``register_plugin()`` is called by every entry point (``titan_upipe.train``, the tools) and,
+for ``torchrun -m torchtitan.train`` launches, by importing ``titan_upipe.plugin`` (the
+``experimental.custom_import`` target). No other module registers anything on import.
+"""
 
 from __future__ import annotations
 
+from torchtitan.protocols.model_converter import register_model_converter
+
+from titan_upipe import converters, cpu_runtime, specs
+from titan_upipe.data import synthetic
+
 CONFIG_MODULE = "titan_upipe.config"
+"""``job.custom_config_module``: the plugin's config sections."""
 
 
-def register_converters(converters: dict[str, type]) -> None:
+def register_converters(named: dict[str, type]) -> None:
     """Register model converters under their names (TorchTitan asserts on duplicates)."""
-    from torchtitan.protocols.model_converter import register_model_converter
-
-    for name, cls in converters.items():
+    for name, cls in named.items():
         try:
             register_model_converter(cls, name)
         except AssertionError:  # already registered
             pass
 
 
-def register_all() -> None:
-    from titan_upipe import converters, specs
-    from titan_upipe.data import synthetic
-    from titan_upipe.transforms import converters as transform_converters
-
+def register_plugin() -> None:
+    """Point TorchTitan at the CPU when there is no accelerator (``cpu_runtime.activate``), then
+    register the train specs, the synthetic dataset and every model converter. Idempotent."""
+    cpu_runtime.activate()
     synthetic.register_with_torchtitan()
     specs.register()
     register_converters(converters.CONVERTERS)
-    register_converters(transform_converters.CONVERTERS)

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 
-import titan_upipe  # noqa: F401  (registers the plugin and picks the device first)
-from titan_upipe.registry import CONFIG_MODULE
+import torch
+from torchtitan.config import ConfigManager
+from torchtitan.tools.logging import init_logger, logger
+
+from titan_upipe.registry import CONFIG_MODULE, register_plugin
+from titan_upipe.trainer import ContextParallelTrainer
+from titan_upipe.validation import check_job
 
 
 def with_plugin_config(args: list[str]) -> list[str]:
@@ -40,25 +46,16 @@ def _flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
 
 
 def _toml_job_section(path: str) -> dict:
-    import tomllib
-
     with open(path, "rb") as f:
         return tomllib.load(f).get("job", {})
 
 
 def parse_config(args: list[str]):
-    from torchtitan.config import ConfigManager
-
     return ConfigManager().parse_args(with_plugin_config(args))
 
 
 def main(args: list[str] | None = None) -> None:
-    import torch
-    from torchtitan.tools.logging import init_logger, logger
-
-    from titan_upipe.trainer import ContextParallelTrainer
-    from titan_upipe.validation import check_job
-
+    register_plugin()
     init_logger()
     config = parse_config(sys.argv[1:] if args is None else args)
     check_job(config, int(os.environ.get("WORLD_SIZE", "1")))

@@ -16,9 +16,9 @@ import torch
 from torchtitan.train import Trainer
 
 from titan_upipe.attention import sequence_mesh
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import shard_sequence
-from titan_upipe.validation import CP_MODES
+from titan_upipe.parallel.cp_layout import CP_MODES
 
 
 class ContextParallelTrainer(Trainer):

@@ -13,8 +13,10 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-import titan_upipe  # noqa: F401  (registers the plugin)
-from titan_upipe.config import ConfigError
+from titan_upipe import validation
+from titan_upipe.errors import ConfigError
+from titan_upipe.registry import register_plugin
+from titan_upipe.train import parse_config
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,12 @@ class LayoutSummary:
 
 
 def _world_size_from_config(parallelism) -> int | None:
-    from titan_upipe.validation import degrees_besides_shard
-
     shard = parallelism.data_parallel_shard_degree
-    return None if shard == -1 else shard * degrees_besides_shard(parallelism)
+    return None if shard == -1 else shard * validation.degrees_besides_shard(parallelism)
 
 
 def find_problems(job_config, world_size: int) -> list[str]:
     """Every problem the job-level checks find (not only the first)."""
-    from titan_upipe import validation
-
     problems: list[str] = []
     for check in validation.JOB_CHECKS:
         try:
@@ -68,20 +66,16 @@ def find_problems(job_config, world_size: int) -> list[str]:
 
 
 def summarize(job_config, world_size: int) -> LayoutSummary:
-    from titan_upipe import validation
-
+    """The resolved layout of a job the checks accepted (``validation.cp_layout``)."""
     n_heads, n_kv_heads = validation.model_heads(job_config)
-    mode = validation.cp_mode(job_config.model.converters)
-    cp = job_config.parallelism.context_parallel_degree
-    ulysses = job_config.upipe.ulysses_degree or (1 if mode == "ring" else cp)
-    u = None
-    if mode == "upipe":
-        u = job_config.upipe.heads_per_stage or ulysses
+    layout = validation.cp_layout(job_config)
+    mode = None if layout.mode is None else layout.mode.value
     return LayoutSummary(
         model=job_config.model.name, flavor=job_config.model.flavor, world_size=world_size,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, cp_mode=mode, cp_degree=cp,
-        ulysses_degree=ulysses if mode else 1, ring_degree=cp // ulysses if mode else 1,
-        heads_per_stage=u, seq_len=job_config.training.seq_len, converters=tuple(job_config.model.converters),
+        n_heads=n_heads, n_kv_heads=n_kv_heads, cp_mode=mode, cp_degree=layout.cp_degree,
+        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree,
+        heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
+        converters=tuple(job_config.model.converters),
     )
 
 
@@ -91,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks the job will run on (default: the product of the configured degrees)")
     args, overrides = parser.parse_known_args(argv)
-
-    from titan_upipe.train import parse_config
-
+    register_plugin()
     try:
         job_config = parse_config(["--job.config_file", args.config, *overrides])
     except (ConfigError, ValueError, TypeError) as err:

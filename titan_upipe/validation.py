@@ -1,39 +1,26 @@
 """Job-level checks that run before any process group starts.
 
-Every problem is reported as a :class:`~titan_upipe.config.ConfigError` naming the
+Every problem is reported as a :class:`~titan_upipe.errors.ConfigError` naming the
 setting and the valid choices. ``titan_upipe.train`` calls :func:`check_job` right
 after parsing the config; ``parallelize_fn`` calls it again so that launches through
 ``torchtitan.train`` are covered too (there it runs after process-group start, but
-still before any collective of ours).
+still before any collective of ours). The context-parallel settings are read once, into
+a :class:`~titan_upipe.parallel.cp_layout.CPLayout` (:func:`cp_layout`).
 """
 
 from __future__ import annotations
 
-from titan_upipe.attention.validation import (
-    check_cp_degree,
-    resolve_heads_per_stage,
-    resolve_mesh_shape,
-    valid_ulysses_degrees,
-)
-from titan_upipe.config import ConfigError
-from titan_upipe.transforms.validation import check_transforms
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.protocols import model_converter
 
-CP_MODES = ("ulysses", "upipe", "ring", "usp")
-"""Converter names that provide context-parallel attention."""
+from titan_upipe.attention.backends import BackendChoice, choose_backend
+from titan_upipe.errors import ConfigError
+from titan_upipe.flavors import flavor_args
+from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, cp_mode, divisors
+from titan_upipe.transforms.fused_ce import resolve_backend
 
-
-def cp_mode(converters: list[str]) -> str | None:
-    """The context-parallel attention converter named in ``model.converters``, if any."""
-    modes = [name for name in converters if name in CP_MODES]
-    if len(modes) > 1:
-        raise ConfigError(
-            f"model.converters names several context-parallel attentions {modes}: keep one of {', '.join(CP_MODES)}"
-        )
-    return modes[0] if modes else None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+__all__ = ["CP_MODES", "JOB_CHECKS", "PLUGIN_IMPORT", "attention_backend_choice", "check_job", "compute_dtype", "cp_layout",
+           "cp_mode"]
 
 
 def degrees_besides_shard(parallelism) -> int:
@@ -54,7 +41,7 @@ def check_world_size(parallelism, world_size: int) -> None:
             f"parallelism degrees (context_parallel_degree={parallelism.context_parallel_degree}, "
             f"data_parallel_shard_degree={shard}, data_parallel_replicate_degree="
             f"{parallelism.data_parallel_replicate_degree}, tensor/pipeline=1) do not match the world size "
-            f"{world_size}: valid context_parallel_degree values for {world_size} ranks are {_divisors(world_size)}"
+            f"{world_size}: valid context_parallel_degree values for {world_size} ranks are {divisors(world_size)}"
         )
 
 
@@ -70,84 +57,107 @@ def check_supported_parallelism(parallelism) -> None:
 
 def model_heads(job_config) -> tuple[int, int]:
     """(query heads, KV heads) of the configured flavor."""
-    from titan_upipe.specs import flavor_args
-
     args = flavor_args(job_config, update=False)
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
-def check_context_parallel(job_config) -> None:
-    cp = job_config.parallelism.context_parallel_degree
+def cp_layout(job_config) -> CPLayout:
+    """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``,
+    the flavor's heads, ``training.seq_len``), validated; raises ConfigError."""
     mode = cp_mode(job_config.model.converters)
-    if cp > 1 and mode is None:
-        raise ConfigError(
-            f"parallelism.context_parallel_degree = {cp} needs a context-parallel attention converter: "
-            f"add one of {', '.join(CP_MODES)} to model.converters"
-        )
-    if mode is None:
-        return
-    if cp < 2:
-        raise ConfigError(
-            f"model.converters has {mode!r} but parallelism.context_parallel_degree = {cp}: "
-            "set it to 2 or more (a divisor of the world size that splits the heads)"
-        )
-    ulysses_setting = job_config.upipe.ulysses_degree
-    if cp % max(ulysses_setting, 1):
-        raise ConfigError(
-            f"upipe.ulysses_degree = {ulysses_setting} does not divide parallelism.context_parallel_degree = {cp}: "
-            f"valid values for mode {mode!r} are {valid_ulysses_degrees(mode, cp)}"
-        )
-    ring, ulysses, _ = resolve_mesh_shape(mode, cp, ulysses_setting)
-    n_heads, n_kv_heads = model_heads(job_config)
-    if ring == 1:
-        check_cp_degree(n_heads, n_kv_heads, cp)
-    else:
-        _check_ulysses_heads(mode, n_heads, n_kv_heads, cp, ulysses)
-    if mode == "upipe":
-        resolve_heads_per_stage(n_heads, n_kv_heads, ulysses, job_config.upipe.heads_per_stage)
-    attention_backend_choice(job_config, probe=False)
-    seq_len = job_config.training.seq_len
-    unit = cp if ring == 1 else 2 * ring * ulysses
-    if seq_len % unit:
-        what = (f"parallelism.context_parallel_degree = {cp}" if ring == 1 else
-                f"2 x ring x ulysses = 2 x {ring} x {ulysses} = {unit} (zigzag chunks over the Ulysses ranks)")
-        raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by {what}: "
-            f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
-        )
+    n_heads, n_kv_heads = model_heads(job_config) if mode is not None else (0, 0)
+    return CPLayout(
+        mode=mode,
+        cp_degree=job_config.parallelism.context_parallel_degree,
+        ulysses_setting=job_config.upipe.ulysses_degree,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        heads_per_stage_setting=job_config.upipe.heads_per_stage if mode == "upipe" else 0,
+        seq_len=job_config.training.seq_len,
+    )
+
+
+def check_context_parallel(job_config) -> CPLayout:
+    """The CP layout and the attention backend it needs; returns the layout."""
+    layout = cp_layout(job_config)
+    if layout.mode is not None:
+        attention_backend_choice(job_config, probe=False, layout=layout)
+    return layout
 
 
 def compute_dtype(job_config):
     """The dtype of the attention inputs in training: FSDP's parameter dtype (TorchTitan runs
     every CP job under FSDP, its mesh spanning the CP ranks)."""
-    from torchtitan.config import TORCH_DTYPE_MAP
-
     return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
 
 
-def attention_backend_choice(job_config, probe: bool = True):
-    """``[upipe] attention_backend`` resolved for this job (``auto`` included), as a
-    ``BackendChoice``; a backend that cannot run it raises ConfigError. Ring and USP layouts
-    need a backend whose backward honours the merged out/lse."""
-    from titan_upipe.attention.backends import choose_backend
-
-    mode = cp_mode(job_config.model.converters)
-    cp = job_config.parallelism.context_parallel_degree
-    ring = mode is not None and resolve_mesh_shape(mode, cp, job_config.upipe.ulysses_degree)[0] > 1
-    return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=ring, probe=probe)
+def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | None = None) -> BackendChoice:
+    """``[upipe] attention_backend`` resolved for this job (``auto`` included); a backend that
+    cannot run it raises ConfigError. Ring and USP layouts need a backend whose backward
+    honours the merged out/lse."""
+    layout = layout or cp_layout(job_config)
+    return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=layout.has_ring,
+                          probe=probe)
 
 
-def _check_ulysses_heads(mode: str, n_heads: int, n_kv_heads: int, cp: int, ulysses: int) -> None:
-    """With a ring, only the Ulysses degree splits heads (K/V replicated when it exceeds KV)."""
-    try:
-        check_cp_degree(n_heads, n_kv_heads, ulysses, what="upipe.ulysses_degree")
-    except ConfigError as exc:
-        valid = [d for d in valid_ulysses_degrees(mode, cp) if d > 0 and n_heads % d == 0
-                 and (n_kv_heads % d == 0 or d % n_kv_heads == 0)]
-        raise ConfigError(f"{exc}; for mode {mode!r} at CP {cp} use upipe.ulysses_degree in {valid}") from None
+# ---------------------------------------------------------------------------- memory transforms
+
+
+def check_converter_names(converters: list[str]) -> None:
+    """Names TorchTitan knows (ours are registered by the entry points, ``registry.register_plugin``)."""
+    known = sorted(model_converter._registry_model_converter_cls)
+    unknown = [name for name in converters if name not in known]
+    if unknown:
+        raise ConfigError(f"model.converters has unknown name(s) {unknown}: valid values are {', '.join(known)}")
+    repeated = sorted({name for name in converters if converters.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"model.converters names {repeated} more than once: list each converter once")
+
+
+def check_offload(job_config) -> None:
+    ac = job_config.activation_checkpoint
+    if not getattr(ac, "cpu_offload", False):
+        return
+    if ac.mode != "full":
+        raise ConfigError(
+            f"activation_checkpoint.cpu_offload = true needs activation_checkpoint.mode = \"full\" "
+            f"(got {ac.mode!r}): offloading keeps each block's checkpointed input on the host; "
+            "valid values with offload: full"
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError("activation_checkpoint.cpu_offload = true does not support compile.enable with the "
+                          "'model' component: set compile.enable = false or cpu_offload = false")
+    if not isinstance(getattr(ac, "pin_memory", True), bool):
+        raise ConfigError(f"invalid activation_checkpoint.pin_memory = {ac.pin_memory!r}: valid values are true, false")
+
+
+def check_transforms(job_config) -> None:
+    """Converter names, tile sizes and backends, offload settings; raises ConfigError."""
+    check_converter_names(list(job_config.model.converters))
+    transforms = getattr(job_config, "transforms", None)
+    if transforms is not None:
+        type(transforms).__post_init__(transforms)  # CLI/TOML values, re-checked after overrides
+        if "fused_ce" in job_config.model.converters:
+            resolve_backend(transforms.ce_backend)
+    check_offload(job_config)
+
+
+PLUGIN_IMPORT = "titan_upipe.plugin"
+"""``experimental.custom_import`` that registers the plugin under ``-m torchtitan.train``."""
+
+
+def check_custom_import(experimental) -> None:
+    """``custom_import = "titan_upipe"`` registered the plugin before importing the package lost
+    its side effects; under ``torchtitan.train`` it would now leave the specs unregistered."""
+    if getattr(experimental, "custom_import", "") == "titan_upipe":
+        raise ConfigError(
+            f"experimental.custom_import = 'titan_upipe' no longer registers the plugin (importing the package "
+            f"has no side effects): set it to {PLUGIN_IMPORT!r}, or leave it empty under -m titan_upipe.train"
+        )
 
 
 JOB_CHECKS = (
+    lambda job_config, world_size: check_custom_import(job_config.experimental),
     lambda job_config, world_size: check_supported_parallelism(job_config.parallelism),
     lambda job_config, world_size: check_world_size(job_config.parallelism, world_size),
     lambda job_config, world_size: check_context_parallel(job_config),

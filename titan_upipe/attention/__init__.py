@@ -13,7 +13,8 @@ from titan_upipe.attention.module import (
 )
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.schedule import HeadSchedule, Stage, build_schedule, verify_schedule
-from titan_upipe.attention.validation import SUPPORTED_MODES, valid_cp_degrees, valid_heads_per_stage
+from titan_upipe.attention.validation import SUPPORTED_MODES
+from titan_upipe.parallel.cp_layout import valid_cp_degrees, valid_heads_per_stage
 
 __all__ = [
     "BACKENDS",

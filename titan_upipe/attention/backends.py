@@ -64,7 +64,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
 
 Tensor = torch.Tensor
 
@@ -472,6 +472,8 @@ BACKENDS: dict[str, type[LocalAttentionBackend]] = {
 }
 
 AUTO = "auto"
+BACKEND_SETTINGS = (AUTO, *BACKENDS)
+"""Values of ``[upipe] attention_backend``: ``auto`` and every backend name."""
 AUTO_ORDER = ("flash_attn4", "flash_attn3", "flash_attn", "sdpa")
 """``auto`` takes the first of these usable here: fastest first (FA4 and FA3 on Hopper, FA2,
 then torch's own kernels, which run everywhere)."""

@@ -26,14 +26,12 @@ from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
 from titan_upipe.attention.validation import (
     check_attention_masks,
-    check_cp_degree,
     check_local_inputs,
     check_mesh_for_mode,
-    check_mode,
     check_ring_sequence,
-    resolve_heads_per_stage,
 )
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.cp_layout import check_cp_degree, check_mode, resolve_heads_per_stage
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 from titan_upipe.parallel.sequence import layout_for
 
@@ -217,7 +215,7 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     backward does not honour the merged out/lse. Every setting is validated here, before any
     communication, raising ConfigError.
     """
-    check_mode(mode)
+    mode = check_mode(mode).value
     ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
     check_mesh_for_mode(mode, ring_degree, ulysses_degree, cp_mesh.ndim, is_ring_mesh(cp_mesh))
     spec = AttentionSpec.of(module)

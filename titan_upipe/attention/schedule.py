@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from titan_upipe.attention.validation import check_cp_degree, resolve_heads_per_stage
+from titan_upipe.parallel.cp_layout import check_cp_degree, resolve_heads_per_stage
 
 HeadRun = tuple[int, ...]
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
 
 
 class SequenceLayout(Protocol):

@@ -22,7 +22,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.cp_layout import resolve_mesh_shape
 
 RING_DIM = "ring"
 ULYSSES_DIM = "ulysses"
@@ -90,8 +91,6 @@ def context_parallel_mesh(cp_mesh: DeviceMesh, mode: str, ulysses_degree: int = 
     every rank): build the mesh once, in the converter, and read it back from the converted
     model (``titan_upipe.attention.sequence_mesh``) wherever else it is needed.
     """
-    from titan_upipe.attention.validation import resolve_mesh_shape
-
     cp = cp_mesh.size()
     ring, ulysses, two_d = resolve_mesh_shape(mode, cp, ulysses_degree)
     if ring == 1 and not two_d:

@@ -1,11 +1,13 @@
-"""Memory transforms for multi-million-token training (paper sections 2.3 and 4).
+"""Memory transforms for multi-million-token training (paper sections 2.3 and 4), core layer.
 
-Model converters (``[model] converters``): ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``,
-``fused_ce``; settings in ``[transforms]``. Offloaded activation checkpointing:
-``[activation_checkpoint] mode = "full"``, ``cpu_offload = true``. See docs/transforms.md.
+Tiled MLP (``tiled_mlp``), tiled RMSNorm (``tiled_rmsnorm``), fused RoPE (``model_forward``,
+``rope``), fused linear cross-entropy (``fused_ce``), host-offloaded activation checkpointing
+(``offload``) and the model surgery that installs them (``surgery``). The TorchTitan converters
+named ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``, ``fused_ce`` (``titan_upipe.converters``)
+call into here; settings are ``[transforms]`` and ``[activation_checkpoint]``. See
+docs/transforms.md.
 """
 
-from titan_upipe.transforms.converters import CONVERTERS
 from titan_upipe.transforms.offload import OFFLOAD_STATS, offloaded_host_bytes
 
-__all__ = ["CONVERTERS", "OFFLOAD_STATS", "offloaded_host_bytes"]
+__all__ = ["OFFLOAD_STATS", "offloaded_host_bytes"]

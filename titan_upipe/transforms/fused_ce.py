@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
 from titan_upipe.transforms.tiling import accumulate_matmul, tile_bounds
 
 Tensor = torch.Tensor
@@ -84,6 +84,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del grad_logits
         return (None if grad_h is None else grad_h.view(hidden.shape),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None)
+
+
+CE_BACKENDS = ("auto", "torch", "liger")
+"""Values of ``[transforms] ce_backend``."""
 
 
 def liger_available() -> bool:

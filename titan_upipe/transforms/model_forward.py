@@ -22,8 +22,9 @@ from torch import nn
 from torchtitan.models.llama3.model.model import Transformer as Llama3Transformer
 from torchtitan.models.qwen3.model.model import Qwen3Model
 
+from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.attention.projection import RotaryKind
-from titan_upipe.config import ConfigError
+from titan_upipe.errors import ConfigError
 from titan_upipe.transforms.rope import inverse_frequencies, local_rope_inputs
 
 Tensor = torch.Tensor
@@ -108,8 +109,6 @@ def transformed(model: nn.Module) -> _TransformedForward:
 def enable_fused_rope(model: nn.Module) -> None:
     """Replace the full-length RoPE buffer by the inverse frequencies (on the model's device),
     and rotate in place in context-parallel attention converted before or after this."""
-    from titan_upipe.attention.module import ContextParallelAttention
-
     model = transformed(model)
     for module in model.modules():
         if isinstance(module, ContextParallelAttention):

@@ -1,0 +1,207 @@
+"""The package's shape (docs/architecture.md): three layers, imports pointing down, no cycle,
+no import-time side effect, small modules and functions.
+
+The import graph is read from the source (``ast``), function-level imports included, so an
+import hidden inside a function cannot close a cycle unnoticed. Each rule is also run on a
+sabotaged copy of the package, to show it can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
+
+LAYERS = {
+    "core": ("errors", "parallel", "attention", "transforms", "memory_tracker", "step_tracker"),
+    "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
+             "cpu_runtime", "data", "registry", "plugin", "train"),
+    "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_wheels", "paper_tables"),
+}
+ORDER = {"core": 0, "glue": 1, "tools": 2}
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+CORE_TORCHTITAN = "torchtitan.models"
+"""The only TorchTitan the core may import: the model classes it converts."""
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool) -> list[tuple[str, bool]]:
+    """(imported module name, inside a function?) for every import statement."""
+    top_level = {id(node) for node in tree.body}
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found += [(name, id(node) not in top_level) for name in names]
+    return found
+
+
+def package_graph(root: Path = PACKAGE) -> tuple[dict[str, set[str]], dict[str, list[str]], dict[str, ast.Module]]:
+    """(internal import graph, third-party imports, parsed trees) of every module under ``root``."""
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
+    trees = {name: ast.parse(path.read_text()) for name, path in files.items()}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    external: dict[str, list[str]] = {name: [] for name in files}
+    for name, tree in trees.items():
+        for target, _ in _imports(tree, name, files[name].name == "__init__.py"):
+            if not target.startswith(root.name):
+                external[name].append(target)
+                continue
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph, external, trees
+
+
+def layer_of(module: str) -> str | None:
+    first = module.split(".")[1] if "." in module else ""
+    return next((layer for layer, names in LAYERS.items() if first in names), None)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_violations(root: Path = PACKAGE) -> list[str]:
+    """Every broken rule, one line each (empty: the package has the shape the docs describe)."""
+    graph, external, trees = package_graph(root)
+    problems = [f"import cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    for module, targets in sorted(graph.items()):
+        layer = layer_of(module)
+        if layer is None:
+            if module != root.name:
+                problems.append(f"{module}: in no layer (add it to LAYERS and docs/architecture.md)")
+            continue
+        problems += [f"{module} ({layer}) imports {t} ({layer_of(t)}): imports must point down"
+                     for t in sorted(targets) if layer_of(t) and ORDER[layer_of(t)] > ORDER[layer]]
+        if layer == "core":
+            problems += [f"{module} (core) imports {t}: the core may import only {CORE_TORCHTITAN} of TorchTitan"
+                         for t in external[module] if t.startswith("torchtitan") and not t.startswith(CORE_TORCHTITAN)]
+    for module, tree in sorted(trees.items()):
+        problems += [f"{module}: imports {t} inside a function" for t, lazy in
+                     _imports(tree, module, False) if lazy and t.startswith(root.name)]
+        path = root.parent.joinpath(*module.split("."))
+        source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
+        if (n := len(source.read_text().splitlines())) > MAX_MODULE_LINES:
+            problems.append(f"{module}: {n} lines > {MAX_MODULE_LINES}")
+        problems += [f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines > {MAX_FUNCTION_LINES}"
+                     for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    return problems
+
+
+def test_the_package_has_three_layers_no_cycle_and_small_units():
+    assert layer_violations() == []
+
+
+def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
+    root = tmp_path / PACKAGE.name
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    target = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    target.write_text(target.read_text() + code)
+    return root
+
+
+@pytest.mark.parametrize(
+    "module, code, expected",
+    [
+        # a lazy import closing a cycle (what the package had before issue 14)
+        ("titan_upipe.flavors", "\n\ndef _late():\n    from titan_upipe import validation\n",
+         "import cycle"),
+        ("titan_upipe.attention.ring", "\nfrom titan_upipe import config\n", "imports must point down"),
+        ("titan_upipe.transforms.tiling", "\nimport torchtitan.tools.logging\n", "the core may import only"),
+        ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.check\n", "inside a function"),
+        ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
+    ],
+)
+def test_each_rule_catches_its_breakage(tmp_path, module, code, expected):
+    problems = layer_violations(_sabotaged_copy(tmp_path, module, code))
+    assert any(expected in p for p in problems), problems
+
+
+IMPORT_EVERYTHING = """
+import importlib, pkgutil, sys
+import titan_upipe
+names = [m.name for m in pkgutil.walk_packages(titan_upipe.__path__, "titan_upipe.")
+         if m.name != "titan_upipe.plugin" and not m.name.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+from torchtitan.protocols import model_converter
+from torchtitan.protocols.train_spec import get_train_spec
+import torchtitan.tools.utils as titan_utils
+registered = {name for name in ("upipe", "ulysses", "tiled_mlp")
+              if name in model_converter._registry_model_converter_cls}
+try:
+    get_train_spec("upipe_llama3")
+    registered.add("upipe_llama3")
+except ValueError:
+    pass
+print("before:", sorted(registered), titan_utils.device_type)
+import titan_upipe.plugin  # noqa: F401
+get_train_spec("upipe_llama3")
+assert "upipe" in model_converter._registry_model_converter_cls
+print("after: registered", titan_utils.device_type)
+"""
+
+
+def test_importing_any_module_registers_nothing_until_the_plugin_entry_point():
+    env = {"PATH": "/usr/bin:/bin", "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING], capture_output=True, text=True, env=env,
+                         cwd=PACKAGE.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = out.stdout.strip().splitlines()[-2:]
+    assert before.startswith("before: []"), before  # no module registered anything on import
+    assert not before.endswith(" cpu"), before  # nor switched TorchTitan to the CPU runtime
+    assert after == "after: registered cpu", after

@@ -1,0 +1,75 @@
+"""The plugin's model flavors: TorchTitan's Llama3 and Qwen3 ones plus small debug flavors.
+
+Debug flavors (vocabulary = the embedded tokenizer's 512 ids):
+
+=============  ======  =====  =========  ========  =======  =========
+flavor         layers  dim    q/kv heads  head dim  qk-norm  tied emb.
+=============  ======  =====  =========  ========  =======  =========
+llama3 debug   2       128    8 / 2      16        no       no
+qwen3 debug    2       128    8 / 2      16        yes      no (FSDP
+                                                            rejects tied
+                                                            on torch 2.13)
+=============  ======  =====  =========  ========  =======  =========
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.protocols.train_spec import get_train_spec
+
+from titan_upipe.data.tokenizer import VOCAB_SIZE
+from titan_upipe.errors import ConfigError
+
+LLAMA3_SPEC = "upipe_llama3"
+QWEN3_SPEC = "upipe_qwen3"
+
+LLAMA3_DEBUG_FLAVORS = {
+    "debug": TransformerModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=VOCAB_SIZE,
+        multiple_of=64, rope_theta=500000, max_seq_len=8192,
+    ),
+    "debug_mha": TransformerModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=VOCAB_SIZE,
+        multiple_of=64, rope_theta=500000, max_seq_len=8192,
+    ),
+}
+
+QWEN3_DEBUG_FLAVORS = {
+    "debug": Qwen3ModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, hidden_dim=384,
+        vocab_size=VOCAB_SIZE, qk_norm=True, rope_theta=1000000, max_seq_len=8192,
+        enable_weight_tying=False,
+    ),
+}
+
+BASE_MODELS = {LLAMA3_SPEC: ("llama3", LLAMA3_DEBUG_FLAVORS), QWEN3_SPEC: ("qwen3", QWEN3_DEBUG_FLAVORS)}
+"""Each plugin train spec: the TorchTitan model it derives from and the flavors it adds."""
+
+
+def model_flavors(model_name: str) -> dict:
+    """The flavors of ``model.name``: for the plugin's specs TorchTitan's base flavors plus the
+    debug ones (read without registering anything), else the registered spec's own. Shared
+    dicts: copy before changing one (``flavor_args``)."""
+    if model_name in BASE_MODELS:
+        base, debug = BASE_MODELS[model_name]
+        return {**get_train_spec(base).model_args, **debug}
+    return get_train_spec(model_name).model_args
+
+
+def flavor_args(job_config, *, update: bool = True):
+    """A copy of the configured flavor's model args, updated from the job config as the trainer
+    does (``update_from_config``) unless ``update`` is False. A copy, because a train spec's
+    flavor dict is shared module state that ``update_from_config`` would mutate."""
+    flavors = model_flavors(job_config.model.name)
+    if job_config.model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor = {job_config.model.flavor!r} is not a flavor of {job_config.model.name}: "
+            f"valid values are {', '.join(flavors)}"
+        )
+    args = copy.deepcopy(flavors[job_config.model.flavor])
+    if update:
+        args.update_from_config(job_config)
+    return args
