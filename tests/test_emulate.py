@@ -1,4 +1,4 @@
-"""The rank emulator (``titan_upipe.emulate``, ``scripts/emulate_rank.py``).
+"""The rank emulator (``titan_upipe.emulate``, ``python -m titan_upipe.emulate``).
 
 * One rank emulated in one process on the fake process group has the same tracked peak
   as that rank in a real 4-process gloo run of the same config (within 5 %; it is exact).
@@ -24,6 +24,9 @@ from trainer_utils import REPO
 
 from titan_upipe.attention import build_schedule
 from titan_upipe.emulate import (
+    StateBytes,
+    StepCosts,
+    StepPeaks,
     StepTracker,
     attention_comm_bytes,
     extrapolate_layers,
@@ -55,7 +58,7 @@ def _env() -> dict[str, str]:
 
 
 def _emulate_cli(config: str, world: int, *extra: str) -> dict:
-    cmd = [sys.executable, str(REPO / "scripts" / "emulate_rank.py"), "--job.config_file", config,
+    cmd = [sys.executable, "-m", "titan_upipe.emulate", "--job.config_file", config,
            "--cp-world", str(world), "--seq-len", str(SEQ_LEN), "--json", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -110,14 +113,11 @@ def test_cli_json_has_the_report_keys(emulated):
 
 _EXTRAPOLATE = """
 import json
-from titan_upipe.emulate import extrapolate_layers, measure_step
+from titan_upipe.emulate import StateBytes, StepPeaks, extrapolate_layers, measure_step
 from titan_upipe.train import parse_config
 job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "128"])
 small, big = (measure_step(job, 4, fake=True, n_layers=n) for n in (2, 4))
-fields = ("param_bytes", "grad_bytes", "optimizer_bytes", "layer_param_bytes", "layer_grad_bytes",
-          "layer_optimizer_bytes", "buffer_bytes", "phase_peak_bytes", "retained_bytes_per_layer",
-          "host_offload_bytes")
-estimate = extrapolate_layers(n_measured=2, n_full=4, **{f: getattr(small, f) for f in fields})
+estimate = extrapolate_layers(n_measured=2, n_full=4, state=StateBytes.of(small), peaks=StepPeaks.of(small))
 print(json.dumps({"estimate": estimate.total_peak_bytes, "state": estimate.state_bytes,
                   "measured": big.total_peak_bytes, "measured_state": big.state_bytes}))
 """
@@ -134,11 +134,13 @@ def test_two_block_extrapolation_matches_a_four_block_model():
 
 def test_extrapolate_layers_arithmetic():
     est = extrapolate_layers(
-        n_measured=2, n_full=8, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
-        layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=7,
-        phase_peak_bytes={"forward": 500, "backward": 700, "optimizer": 150}, retained_bytes_per_layer=50,
-        host_offload_bytes=16, device_peak_allocated_bytes=2000, a2a_bytes=10, a2a_wire_bytes=8,
-        comm_time_s=1.0, attention_time_s=2.0, other_compute_time_s=3.0,
+        n_measured=2, n_full=8,
+        state=StateBytes(param_bytes=100, grad_bytes=100, optimizer_bytes=200, layer_param_bytes=60,
+                         layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=7),
+        peaks=StepPeaks(phase_peak_bytes={"forward": 500, "backward": 700, "optimizer": 150},
+                        retained_bytes_per_layer=50, host_offload_bytes=16, device_peak_allocated_bytes=2000),
+        costs=StepCosts(a2a_bytes=10, a2a_wire_bytes=8, comm_time_s=1.0, attention_time_s=2.0,
+                        other_compute_time_s=3.0),
     )
     # state: 40 fixed + 60 x 4 for the blocks
     assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (280, 280, 560)
@@ -153,19 +155,25 @@ def test_extrapolate_layers_arithmetic():
     assert est.modeled_step_time_s == 24.0
     # Offloaded activations (nothing retained): gradients set the backward growth; nothing scales
     # when measuring the full depth.
-    off = extrapolate_layers(n_measured=2, n_full=4, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
-                             layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=0,
-                             phase_peak_bytes={"backward": 700}, retained_bytes_per_layer=0, host_offload_bytes=0)
+    off = extrapolate_layers(n_measured=2, n_full=4,
+                             state=StateBytes(param_bytes=100, grad_bytes=100, optimizer_bytes=200,
+                                              layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120,
+                                              buffer_bytes=0),
+                             peaks=StepPeaks(phase_peak_bytes={"backward": 700}, retained_bytes_per_layer=0,
+                                             host_offload_bytes=0))
     assert off.phase_peak_bytes["backward"] == 700 + 2 * 30
-    same = extrapolate_layers(n_measured=4, n_full=4, param_bytes=100, grad_bytes=100, optimizer_bytes=200,
-                              layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=5,
-                              phase_peak_bytes={"forward": 9, "optimizer": 150}, retained_bytes_per_layer=3,
-                              host_offload_bytes=0)
+    same = extrapolate_layers(n_measured=4, n_full=4,
+                              state=StateBytes(param_bytes=100, grad_bytes=100, optimizer_bytes=200,
+                                               layer_param_bytes=60, layer_grad_bytes=60, layer_optimizer_bytes=120,
+                                               buffer_bytes=5),
+                              peaks=StepPeaks(phase_peak_bytes={"forward": 9, "optimizer": 150},
+                                              retained_bytes_per_layer=3, host_offload_bytes=0))
     assert same.total_peak_bytes == 305 + 150 and same.state_bytes == 400
     with pytest.raises(ValueError):
-        extrapolate_layers(n_measured=0, n_full=4, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
-                           layer_param_bytes=0, layer_grad_bytes=0, layer_optimizer_bytes=0, buffer_bytes=0,
-                           phase_peak_bytes={}, retained_bytes_per_layer=0, host_offload_bytes=0)
+        extrapolate_layers(n_measured=0, n_full=4,
+                           state=StateBytes(param_bytes=0, grad_bytes=0, optimizer_bytes=0, layer_param_bytes=0,
+                                            layer_grad_bytes=0, layer_optimizer_bytes=0, buffer_bytes=0),
+                           peaks=StepPeaks(phase_peak_bytes={}, retained_bytes_per_layer=0, host_offload_bytes=0))
 
 
 def test_attention_comm_bytes_by_hand():

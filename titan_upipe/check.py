@@ -3,10 +3,10 @@
     torchrun --nproc_per_node <CP degree> -m titan_upipe.check --job.config_file X.toml [--seq-len N]
              [--dtype float32|bfloat16] [--tolerance T] [--section.key value ...]
 
-Builds the configured model twice with the same weights: the *reference*, TorchTitan's
-unconverted model on the full (gathered) batch, and the *parallel* model with the config's
-converters (CP attention and the memory transforms) on this rank's sequence shard in the
-layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
+Builds the configured model twice with the same weights (``build_rank_model``, the rank
+builder the emulator uses too): the *reference*, TorchTitan's unconverted model on the full
+(gathered) batch, and the *parallel* model with the config's converters (CP attention and the
+memory transforms) on this rank's sequence shard in the layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
 are summed and their logits gathered, and rank 0 prints the max relative error
 (max |parallel - reference| / max |reference|) of the loss, the logits and every gradient.
 Exit code 1 when one exceeds the tolerance. FSDP and activation checkpointing are not
@@ -20,8 +20,21 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
-import titan_upipe  # noqa: F401  (registers the plugin, picks the device)
+import torch
+import torch.distributed as dist
+from torchtitan.distributed import ParallelDims
+
+# The package, not its functions: ``shard_sequence`` is looked up at call time, so a test can
+# substitute a sabotaged layout and see the check fail.
+from titan_upipe import parallel as sequence_layouts
+from titan_upipe.attention import sequence_mesh
+from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
+from titan_upipe.registry import register_plugin
+from titan_upipe.train import parse_config
+from titan_upipe.transforms.model_forward import FinalHiddenStates
+from titan_upipe.validation import check_job
 
 DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 
@@ -55,143 +68,148 @@ def _parse(argv: list[str]):
     return parser.parse_known_args(argv)
 
 
+@dataclass(frozen=True)
+class CheckSetup:
+    """One rank's view of the check: the parsed job (DP degrees forced to 1), its CP mesh, the
+    compute dtype and the tolerance."""
+
+    options: argparse.Namespace
+    job_config: Any
+    world_size: int
+    rank: int
+    cp: int
+    device: torch.device
+    dtype: torch.dtype
+    tolerance: float
+    parallel_dims: ParallelDims
+
+
 def _logits(pred):
     """Logits from the model output; a ``fused_ce`` model returns hidden states and its head."""
-    import torch
-
-    from titan_upipe.transforms.model_forward import FinalHiddenStates
-
     if isinstance(pred, FinalHiddenStates):
         with torch.no_grad():
             return torch.nn.functional.linear(pred.hidden, pred.head.weight)
     return pred.detach()
 
 
-def _build_models(job_config, parallel_dims, device, dtype):
-    import torch
-    from torchtitan.protocols.model_converter import build_model_converters
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from titan_upipe.specs import flavor_args
-
-    spec = get_train_spec(job_config.model.name)
-    args = flavor_args(job_config)
-    with torch.device("meta"):
-        reference = spec.model_cls(args)
-        parallel = spec.model_cls(args)
-    build_model_converters(job_config, parallel_dims).convert(parallel)
-    for model in (reference, parallel):
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=device)
-    parallel.load_state_dict(reference.state_dict())
+def _build_models(job_config, parallel_dims, device, dtype, seed: int):
+    """The reference (no converters) and the parallel model (the config's converters), same
+    weights; neither parallelized (no AC, no FSDP)."""
+    reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False)
+    parallel = build_rank_model(job_config, parallel_dims, device, seed=seed, parallelize=False)
+    parallel.model.load_state_dict(reference.model.state_dict())
     # Parameters in the compute dtype, as FSDP's mixed precision gives them to the model;
     # buffers (the RoPE tables) keep their own dtype, as in training.
     with torch.no_grad():
-        for model in (reference, parallel):
+        for model in (reference.model, parallel.model):
             for param in model.parameters():
                 param.data = param.data.to(dtype)
-    return spec, args, reference, parallel
+    return reference, parallel
 
 
-def run_check(argv: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
-    from torchtitan.config import ConfigManager
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.tools.utils import device_type
-
-    from titan_upipe.attention import sequence_mesh
-    from titan_upipe.parallel import gather_sequence, shard_sequence
-    from titan_upipe.train import with_plugin_config
-    from titan_upipe.validation import check_job
-
+def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
+    """Parse the command line and the job, validate it, start the process group (when this
+    call owns it: the second value) and build the CP mesh."""
     options, titan_args = _parse(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
     if options.seq_len:
         overrides += ["--training.seq_len", str(options.seq_len)]
-    job_config = ConfigManager().parse_args(with_plugin_config([*titan_args, *overrides]))
+    job_config = parse_config([*titan_args, *overrides])
     cp = job_config.parallelism.context_parallel_degree
     if world_size != cp:
         raise SystemExit(f"titan_upipe.check runs one rank per CP rank: launch with --nproc_per_node {cp} "
                          f"(parallelism.context_parallel_degree), not {world_size}")
     check_job(job_config, world_size)
     tolerance = options.tolerance if options.tolerance is not None else DEFAULT_TOLERANCE[options.dtype]
-    dtype = getattr(torch, options.dtype)
-
-    rank = int(os.environ.get("RANK", "0"))
-    if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = rank_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    parallel_dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=cp, tp=1, pp=1, ep=1, etp=1, world_size=world_size)
-    parallel_dims.build_mesh()
+    setup = CheckSetup(options, job_config, world_size, int(os.environ.get("RANK", "0")), cp, device,
+                       getattr(torch, options.dtype), tolerance, build_parallel_dims(job_config, world_size))
+    return setup, owns_process_group
 
-    torch.manual_seed(options.seed)
-    spec, args, reference, parallel = _build_models(job_config, parallel_dims, device, dtype)
-    loss_fn = spec.build_loss_fn(job_config)
-    seq = job_config.training.seq_len
-    generator = torch.Generator().manual_seed(options.seed)
-    tokens = torch.randint(0, args.vocab_size, (options.batch, seq + 1), generator=generator).to(device)
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    n_tokens = labels.numel()
 
-    # Parallel: this rank's shard in the trainer's layout; losses and gradients summed over CP.
-    if cp > 1:
-        cp_mesh = sequence_mesh(parallel)  # the layout the converted attention expects
-        local_inputs, positions = shard_sequence(inputs, cp_mesh, seq_dim=1)
-        local_labels, _ = shard_sequence(labels, cp_mesh, seq_dim=1)
-        pred = parallel(local_inputs, positions=positions)
+def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int):
+    """Forward and backward of the parallel model on this rank's shard in the trainer's layout;
+    the loss and gradients summed over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
+    if setup.cp > 1:
+        cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
+        local_inputs, positions = sequence_layouts.shard_sequence(inputs, cp_mesh, seq_dim=1)
+        local_labels, _ = sequence_layouts.shard_sequence(labels, cp_mesh, seq_dim=1)
+        pred = model(local_inputs, positions=positions)
     else:
         cp_mesh, local_labels = None, labels
-        pred = parallel(inputs)
+        pred = model(inputs)
     loss = loss_fn(pred, local_labels) / n_tokens
     loss.backward()
     local_logits = _logits(pred)
     loss_sum = loss.detach().float().clone()
-    grads = {name: p.grad.detach().float().clone() for name, p in parallel.named_parameters() if p.grad is not None}
-    if cp > 1:
-        group = parallel_dims.get_mesh("cp").get_group()  # all CP ranks (the layout mesh may be 2-D)
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    if setup.cp > 1:
+        group = setup.parallel_dims.get_mesh("cp").get_group()  # all CP ranks (the layout mesh may be 2-D)
         dist.all_reduce(loss_sum, group=group)
         for grad in grads.values():
             dist.all_reduce(grad, group=group)
-        logits = gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
+        logits = sequence_layouts.gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
     else:
         logits = local_logits
+    return loss_sum, logits, grads
 
-    failed = False
-    if rank == 0:
-        ref_pred = reference(inputs)
-        ref_loss = loss_fn(ref_pred, labels) / n_tokens
-        ref_loss.backward()
-        ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-        results = [Comparison("loss", relative_error(loss_sum, ref_loss.detach().float())),
-                   Comparison("logits", relative_error(logits, _logits(ref_pred)))]
-        missing = sorted(set(ref_grads) - set(grads))
-        results += [Comparison(f"grad {name}", relative_error(grads[name], ref_grads[name].float()))
-                    for name in ref_grads if name in grads]
-        print(f"titan_upipe.check: {job_config.job.config_file} | converters "
-              f"{', '.join(job_config.model.converters) or '(none)'} | CP {cp} | seq_len {seq} | batch "
-              f"{options.batch} | {options.dtype} | tolerance {tolerance:g}")
-        print(f"  loss: parallel {loss_sum.item():.7f}  single device {ref_loss.item():.7f}")
-        for result in results[:2]:
+
+def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: int, loss_sum, logits,
+             grads) -> bool:
+    """Rank 0: the reference's forward and backward on the full batch, the comparison printed;
+    whether it failed."""
+    options, job_config, tolerance = setup.options, setup.job_config, setup.tolerance
+    ref_pred = reference(inputs)
+    ref_loss = loss_fn(ref_pred, labels) / n_tokens
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    results = [Comparison("loss", relative_error(loss_sum, ref_loss.detach().float())),
+               Comparison("logits", relative_error(logits, _logits(ref_pred)))]
+    missing = sorted(set(ref_grads) - set(grads))
+    results += [Comparison(f"grad {name}", relative_error(grads[name], ref_grads[name].float()))
+                for name in ref_grads if name in grads]
+    print(f"titan_upipe.check: {job_config.job.config_file} | converters "
+          f"{', '.join(job_config.model.converters) or '(none)'} | CP {setup.cp} | seq_len "
+          f"{job_config.training.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}")
+    print(f"  loss: parallel {loss_sum.item():.7f}  single device {ref_loss.item():.7f}")
+    for result in results[:2]:
+        print(result.line(tolerance))
+    worst = max(results[2:], key=lambda r: r.error)
+    print(f"  gradients: {len(results) - 2} tensors, worst {worst.name} at {worst.error:.3e}")
+    for result in results[2:]:
+        if result.error > tolerance:
             print(result.line(tolerance))
-        worst = max(results[2:], key=lambda r: r.error)
-        print(f"  gradients: {len(results) - 2} tensors, worst {worst.name} at {worst.error:.3e}")
-        for result in results[2:]:
-            if result.error > tolerance:
-                print(result.line(tolerance))
-        failed = any(r.error > tolerance for r in results) or bool(missing)
-        if missing:
-            print(f"  FAIL: no gradient for {missing}")
-        print("PARITY OK" if not failed else "PARITY FAILED")
-    if world_size > 1:
-        verdict = torch.tensor([int(failed)], device=device)
+    failed = any(r.error > tolerance for r in results) or bool(missing)
+    if missing:
+        print(f"  FAIL: no gradient for {missing}")
+    print("PARITY OK" if not failed else "PARITY FAILED")
+    return failed
+
+
+def run_check(argv: list[str]) -> int:
+    """The check on this rank (module docstring); the exit code, the same on every rank."""
+    register_plugin()
+    setup, owns_process_group = _setup(argv)
+    options, job_config = setup.options, setup.job_config
+    reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed)
+    loss_fn = build_loss_fn(parallel.spec, job_config, setup.parallel_dims)
+    generator = torch.Generator().manual_seed(options.seed)
+    tokens = torch.randint(0, parallel.args.vocab_size, (options.batch, job_config.training.seq_len + 1),
+                           generator=generator).to(setup.device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    n_tokens = labels.numel()
+    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens)
+    failed = False
+    if setup.rank == 0:
+        failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads)
+    if setup.world_size > 1:
+        verdict = torch.tensor([int(failed)], device=setup.device)
         dist.broadcast(verdict, src=0)
         failed = bool(verdict.item())
     if owns_process_group:
@@ -203,6 +221,7 @@ def run_check(argv: list[str]) -> int:
 
 
 def main() -> None:
+    register_plugin()
     sys.exit(run_check(sys.argv[1:]))
 
 

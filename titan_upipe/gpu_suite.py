@@ -16,7 +16,7 @@ kernels     the backend contract (``titan_upipe.attention.contract``) for every 
             checkpoint's CUDA streams round trip (gradients bit-exact); one bf16 step of a debug model
             with every converter (UPipe on a 1-rank mesh, tiled MLP/RMSNorm, fused RoPE/CE, offloaded
             AC) against the unconverted model
-memory      the rank emulator (``scripts/emulate_rank.py``, fake process group, real kernels): Llama3-8B
+memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
             C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
             ``max_memory_allocated``/``reserved`` beside the planner and the paper's Table 4
@@ -108,7 +108,7 @@ def attention_seconds_per_layer(length: str) -> float:
 
 
 def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
-    return (sys.executable, "scripts/emulate_rank.py", "--job.config_file", config, "--cp-world", str(cp_world),
+    return (sys.executable, "-m", "titan_upipe.emulate", "--job.config_file", config, "--cp-world", str(cp_world),
             "--n-layers", str(MEMORY_LAYERS), "--json", *extra)
 
 

@@ -1,7 +1,25 @@
-"""Context-parallel attention: DeepSpeed-Ulysses, UPipe (Untied Ulysses), zigzag ring and USP.
+"""Context-parallel attention (core layer): DeepSpeed-Ulysses, UPipe (Untied Ulysses), zigzag ring, USP.
 
 Public API: ``convert_attention(module, mode, cp_mesh, heads_per_stage=None, backend="sdpa")``.
 See docs/attention.md for the design.
+
+============== ==========================================================================
+module         holds
+============== ==========================================================================
+module         ``convert_attention``, ``ContextParallelAttention``: a TorchTitan attention,
+               converted (shares its parameters)
+schedule       UPipe's GQA-aware head schedule (stages of U query heads)
+ulysses        Ulysses attention (all-to-all, kernel, all-to-all)
+upipe          UPipe's autograd function: stage by stage, forward and backward
+ring, ring_plan zigzag ring attention and its per-step block rule (USP's inner kernel)
+run, projection, collectives   what one attention call needs: Q/K/V projection and RoPE
+               per head slice, the all-to-alls
+backends       the local kernels and their contract (sdpa, math, flash_attn 2/3/4, auto)
+contract       the contract check every backend must pass
+validation     input and mesh checks that run before any communication
+memory_model   UPipe's per-stage memory terms (the planner's attention terms)
+comm_model     all-to-all and ring bytes of one attention call
+============== ==========================================================================
 """
 
 from titan_upipe.attention.backends import BACKENDS, LocalAttentionBackend, get_backend

@@ -1,10 +1,24 @@
-"""Sequence layouts for context parallelism: which tokens each CP rank holds."""
+"""Context-parallel layouts (core layer: torch only): which ranks and tokens a job uses.
 
+============== ==========================================================================
+module         holds
+============== ==========================================================================
+cp_layout      ``CPMode``, ``CPLayout``: a job's mode, CP / ring / Ulysses degrees, U and
+               sequence divisor, validated once; the pure degree and head arithmetic
+layout         ``ContiguousLayout``, ``ZigzagLayout``: token <-> (rank, index) maps
+mesh           the CP meshes (1-D, 1-D "ring", 2-D ("ring", "ulysses")) and their degrees
+sequence       ``shard_sequence`` / ``gather_sequence`` on a mesh, in its layout
+============== ==========================================================================
+"""
+
+from titan_upipe.parallel.cp_layout import CPLayout, CPMode
 from titan_upipe.parallel.layout import ContiguousLayout, SequenceLayout, ZigzagLayout
 from titan_upipe.parallel.mesh import context_parallel_mesh, layout_rank, mesh_degrees
 from titan_upipe.parallel.sequence import gather_sequence, layout_for, shard_sequence
 
 __all__ = [
+    "CPLayout",
+    "CPMode",
     "ContiguousLayout",
     "SequenceLayout",
     "ZigzagLayout",

@@ -1,6 +1,6 @@
 """Rank emulator: one rank of an N-rank context-parallel job in a single process.
 
-    python scripts/emulate_rank.py --job.config_file X.toml --cp-world N [--n-layers K] [--seq-len S]
+    python -m titan_upipe.emulate --job.config_file X.toml --cp-world N [--n-layers K] [--seq-len S]
         [--full-layers L] [--a2a-gbps B] [--p2p-gbps B] [--steps K] [--rank R] [--json] [--section.key value ...]
 
 Builds the configured model for one rank (TorchTitan's train spec, converters, AC, FSDP,
@@ -13,9 +13,10 @@ communication modeled from the all-to-all bytes and ``--a2a-gbps``. With ``--n-l
 only K blocks are built and the flavor's full depth is extrapolated (use K >= 2).
 See ``titan_upipe.emulate`` for the exact definitions.
 
-Launched under torchrun (``WORLD_SIZE`` > 1) it measures the real job instead (gloo on CPU,
-nccl on GPU), one rank per process, and rank 0 prints the same report: that is how the
-emulator is validated against a real run.
+Launched under torchrun (``torchrun --nproc_per_node N -m titan_upipe.emulate ...``,
+``WORLD_SIZE`` > 1) it measures the real job instead (gloo on CPU, nccl on GPU), one rank per
+process, and rank 0 prints the same report: that is how the emulator is validated against a
+real run.
 
 TorchTitan overrides (``--training.seq_len 4096``, ``--upipe.heads_per_stage 8`` ...)
 pass through. CUDA is used when available (as ``titan_upipe.check`` does), else the CPU;
@@ -28,22 +29,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
-# As scripts/run_train.sh launches training (read when CUDA first allocates).
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch
+import torch.distributed as dist
 
-import titan_upipe  # noqa: E402,F401  (registers the plugin, picks the device)
-
-PAPER_CSV = Path(__file__).resolve().parents[1] / "docs" / "data" / "paper_tables.csv"
+from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
+from titan_upipe.emulate.rank import rank_device
+from titan_upipe.paper_tables import PAPER_TABLES_CSV, paper_rows
+from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.registry import register_plugin
+from titan_upipe.train import parse_config
 
 
 def _parse(argv: list[str]):
-    from titan_upipe.emulate import DEFAULT_A2A_GBPS
-
-    parser = argparse.ArgumentParser(prog="scripts/emulate_rank.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m titan_upipe.emulate", description=__doc__.splitlines()[0])
     parser.add_argument("--cp-world", type=int, default=None,
                         help="ranks of the emulated job (world size; FSDP shards over all of them)")
     parser.add_argument("--n-layers", type=int, default=None,
@@ -64,7 +67,8 @@ def _parse(argv: list[str]):
     parser.add_argument("--summarize", nargs="+", metavar="JSON", default=None,
                         help="instead of measuring: tabulate --json outputs (one per file) next to the paper's "
                              "Llama3-8B Table 4 (peak memory) and Table 5 (step time)")
-    parser.add_argument("--paper-csv", default=str(PAPER_CSV), help=f"the paper's tables (default {PAPER_CSV})")
+    parser.add_argument("--paper-csv", default=str(PAPER_TABLES_CSV),
+                        help=f"the paper's tables (default {PAPER_TABLES_CSV})")
     return parser.parse_known_args(argv)
 
 
@@ -133,28 +137,23 @@ def _length_label(seq_len: int) -> str:
 
 def _paper_values(path: str) -> dict[tuple[str, str, str], float]:
     """{(method, metric, length): value} of the paper's Llama3-8B rows (tables 4 and 5)."""
-    import csv
-
     values: dict[tuple[str, str, str], float] = {}
     if not os.path.exists(path):
         return values
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["model"] != "llama3_8b" or row["table"] not in ("4", "5"):
-                continue
-            for key, cell in row.items():
-                if key[0].isdigit() and cell not in ("", None):
-                    try:
-                        values[(row["method"], row["metric"], key)] = float(cell)
-                    except ValueError:  # "OOM"
-                        values[(row["method"], row["metric"], key)] = float("nan")
+    for row in paper_rows(Path(path)):
+        if row["model"] != "llama3_8b" or row["table"] not in ("4", "5"):
+            continue
+        for key, cell in row.items():
+            if key[0].isdigit() and cell not in ("", None):
+                try:
+                    values[(row["method"], row["metric"], key)] = float(cell)
+                except ValueError:  # "OOM"
+                    values[(row["method"], row["metric"], key)] = float("nan")
     return values
 
 
 def summarize(paths: list[str], paper_csv: str) -> list[str]:
     """A Markdown table of ``--json`` results (full-model estimates) beside the paper's Tables 4 and 5."""
-    import math
-
     paper = _paper_values(paper_csv)
 
     def size(n: float | None) -> float | None:
@@ -209,13 +208,9 @@ def summarize(paths: list[str], paper_csv: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from titan_upipe.emulate import measure_step
-    from titan_upipe.train import parse_config
-    from titan_upipe.validation import cp_mode
-
+    # As scripts/run_train.sh launches training (read when CUDA first allocates).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    register_plugin()
     options, titan_args = _parse(sys.argv[1:] if argv is None else argv)
     if options.summarize:
         print("\n".join(summarize(options.summarize, options.paper_csv)))
@@ -232,11 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         if launched != options.cp_world:
             raise SystemExit(f"launched with {launched} ranks but --cp-world {options.cp_world}")
         if not dist.is_initialized():
-            from torchtitan.tools.utils import device_type
-
-            if device_type == "cuda":
+            on_cuda = rank_device().type == "cuda"
+            if on_cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if on_cuda else "gloo")
             owns_group = True
     try:
         m = measure_step(job_config, options.cp_world, fake=not real, n_layers=options.n_layers,
@@ -264,6 +258,3 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(report_lines(m)))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

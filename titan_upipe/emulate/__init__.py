@@ -1,0 +1,153 @@
+"""Rank emulator: one rank of an N-rank context-parallel job, measured in a single process.
+
+``measure_step(job_config, world_size, fake=...)`` builds the configured model for one rank
+exactly as TorchTitan's trainer does (``rank.py``, the builder ``titan_upipe.check`` shares:
+train spec, flavor args + ``update_from_config``, meta device, ``model.converters``, the
+spec's ``parallelize_fn`` — AC then FSDP —, ``to_empty``, ``init_weights``, the spec's
+optimizer builder and loss) and runs training steps on a synthetic batch sharded in the
+converted attention's layout (``titan_upipe.parallel.shard_sequence`` on
+``titan_upipe.attention.sequence_mesh``).
+The same code runs in two situations:
+
+* ``fake=False``: inside a real multi-process job whose default process group the caller
+  started (gloo on CPU, nccl on GPU), one call per rank;
+* ``fake=True``: in ONE process, on torch's ``fake`` process-group backend
+  (``torch.testing._internal.distributed.fake_pg``) with ``world_size`` ranks: every
+  collective returns at once and leaves its output buffer as it was (uninitialised memory),
+  so this process runs rank ``rank``'s kernels and transforms with correctly shaped tensors
+  and no peers. Numerics are meaningless there (weights gathered by FSDP, received Q/K/V
+  and the loss are garbage, possibly NaN); only memory and time are measured. On CPU
+  denormal flushing is switched on in fake mode so garbage cannot hit the slow denormal path.
+
+What one measured step is (the trainer's ``train_step`` without data loading, logging,
+checkpointing and the LR scheduler): ``zero_grad``; forward on this rank's shard;
+``loss = loss_fn(pred, labels) / global_tokens``; ``del pred``; ``backward``;
+``clip_grad_norm_`` (foreach, as the trainer); ``optimizer.step()``. Before the measured
+step(s), the optimizer state is materialised by one optimizer step on all-zero gradients
+(no forward/backward), so even ``steps=1`` measures a steady-state step, not the first
+step that creates Adam's moments. With ``steps > 1`` the numbers are those of the last step.
+
+Memory (bytes, this rank, identical definition in fake and real runs):
+
+``state_bytes``
+    parameters + gradients + optimizer state of this rank (FSDP: the local shards of the
+    DTensors), counted by unique storage. Split into ``param_bytes``, ``grad_bytes``
+    (measured after backward) and ``optimizer_bytes``; ``buffer_bytes`` are the model
+    buffers (the RoPE table: not sharded, not scaled with layers).
+``baseline_bytes``
+    what is live on the device when the step starts: params + optimizer state + buffers
+    (gradients were freed by ``zero_grad``).
+``peak_bytes``
+    the peak of live tensor bytes *created during the step*, tracked by
+    :class:`~titan_upipe.memory_tracker.StepTracker` (a ``LiveTensorTracker`` that
+    accounts DTensors by their local shard, only tensors on the compute device, and
+    re-measures storages FSDP2 frees/re-allocates with ``untyped_storage().resize_()``). It
+    contains activations, gradients, communication buffers, FSDP's unsharded parameters,
+    optimizer temporaries, and the global token batch and its shards (created on the
+    device inside the step, as the trainer's host-to-device copy does). On CPU, host and
+    device are the same memory: block inputs offloaded by ``activation_checkpoint.cpu_offload``
+    are subtracted (``OFFLOAD_STATS``), so the number means what it means on a GPU.
+    ``phase_peak_bytes`` gives the same peak per phase: ``forward`` (to the loss),
+    ``backward``, ``optimizer`` (clip + step).
+``total_peak_bytes``
+    ``baseline_bytes + peak_bytes``: the tracked equivalent of ``max_memory_allocated``.
+``device_peak_allocated_bytes`` / ``device_peak_reserved_bytes``
+    CUDA only: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after
+    ``reset_peak_memory_stats`` at the start of the measured step (absolute, baseline
+    included, plus what the tracker cannot see: kernel workspaces, NCCL buffers,
+    allocator rounding). None on CPU, where there is no caching allocator.
+``host_offload_bytes``
+    host memory held by offloaded block inputs at the end of forward (its maximum).
+``retained_bytes_per_layer``
+    bytes one transformer block leaves alive after its forward (saved activations, its
+    output), averaged over the blocks after the first (the first one's also holds FSDP's
+    all-gather buffer replacing the embedding's): what each further layer adds to the
+    activation peak. With ``n_layers=1`` only the first block exists; use >= 2.
+
+Fewer layers (``n_layers``) run a model with that many blocks; ``full`` holds the
+estimate for the configured flavor's layer count, or ``full_layers``
+(:func:`extrapolate_layers`, a pure function: state, offloaded host bytes, communication
+and time scale with layers; the transient peak inside one block does not; each extra block
+adds ``retained_bytes_per_layer`` to the forward/backward peak, or its gradients where
+those are larger).
+
+Time (seconds, wall clock; on CUDA with ``synchronize`` at every boundary):
+``step_time_s`` and per phase; ``attention_time_s`` is the time spent inside the converted
+attention modules (projections, RoPE, all-to-alls, kernel, output projection; forward,
+backward and any recomputation; forward timed with module hooks, backward with gradient
+hooks on the module's output and input); ``other_compute_time_s = step_time_s -
+attention_time_s``. Communication is *modeled*, not measured: the all-to-all bytes of every
+converted attention call follow from its head schedule
+(:func:`~titan_upipe.attention.comm_model.attention_comm_bytes`), and
+``comm_time_s = a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes;
+the default 150 GB/s per direction is an NVLink-class all-to-all bandwidth per GPU, e.g. 8x
+H100 in one node; the wire bytes of an all-to-all exclude the chunk a rank keeps). In fake
+mode the collectives take no time, so ``step_time_s + comm_time_s`` is the modeled step
+time (no overlap assumed: the all-to-alls block the compute stream). In a real run the
+measured times already contain the communication. FSDP's all-gather/reduce-scatter are
+not modeled (they overlap compute in TorchTitan). Under activation checkpointing the
+forward's all-to-alls run again in backward (``recompute_fraction``).
+
+API (stable; the memory planner compares against it)::
+
+    m = measure_step(job_config, world_size, fake=True, n_layers=2)   # -> StepMeasurement
+    m.total_peak_bytes, m.peak_bytes, m.phase_peak_bytes, m.state_bytes, m.host_offload_bytes
+    m.full.total_peak_bytes            # the same, extrapolated to the full depth
+    m.to_dict()                        # JSON-ready (what python -m titan_upipe.emulate --json prints)
+
+A fake measurement needs a process without a default process group (it starts and ends a
+fake one); run it in a subprocess where other code uses ``torch.distributed``.
+
+Modules: ``rank`` (one rank's model, optimizers and loss from a job config), ``step`` (one
+tracked training step -> ``StepResult``), ``extrapolate`` (fewer layers -> the full depth),
+``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli`` (``python -m titan_upipe.emulate``:
+the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
+core, in ``titan_upipe.memory_tracker``; the communication count (``CommBytes``,
+``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.attention.comm_model``.
+"""
+
+from titan_upipe.attention.comm_model import CommBytes, attention_comm_bytes, recompute_fraction
+from titan_upipe.emulate.extrapolate import (
+    FullModelEstimate,
+    StateBytes,
+    StepCosts,
+    StepPeaks,
+    extrapolate_layers,
+)
+from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, GB, ModeledComm, StepMeasurement, measure_step
+from titan_upipe.emulate.rank import (
+    RankModel,
+    TrainingRank,
+    build_parallel_dims,
+    build_rank_model,
+    build_training_rank,
+    rank_device,
+)
+from titan_upipe.emulate.step import PHASES, StepResult
+from titan_upipe.memory_tracker import StepTracker, storage_bytes
+
+__all__ = [
+    "DEFAULT_A2A_GBPS",
+    "GB",
+    "PHASES",
+    "CommBytes",
+    "FullModelEstimate",
+    "ModeledComm",
+    "RankModel",
+    "StateBytes",
+    "StepCosts",
+    "StepMeasurement",
+    "StepPeaks",
+    "StepResult",
+    "StepTracker",
+    "TrainingRank",
+    "attention_comm_bytes",
+    "build_parallel_dims",
+    "build_rank_model",
+    "build_training_rank",
+    "extrapolate_layers",
+    "measure_step",
+    "rank_device",
+    "recompute_fraction",
+    "storage_bytes",
+]

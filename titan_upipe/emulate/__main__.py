@@ -1,0 +1,7 @@
+"""``python -m titan_upipe.emulate``: the rank emulator's command line (``titan_upipe.emulate.cli``)."""
+
+import sys
+
+from titan_upipe.emulate.cli import main
+
+sys.exit(main())

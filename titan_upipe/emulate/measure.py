@@ -1,0 +1,295 @@
+"""``measure_step``: build one rank, run its training step(s), report a ``StepMeasurement``.
+
+Memory comes from the tracked step (``step.py``), the state from the rank's storages after the
+step, communication from the converted attention's head schedule
+(``titan_upipe.attention.comm_model``), and the full-depth estimate from ``extrapolate_layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.config import TORCH_DTYPE_MAP
+
+from titan_upipe.attention import ContextParallelAttention
+from titan_upipe.attention.comm_model import attention_comm_bytes, recompute_fraction
+from titan_upipe.emulate.extrapolate import (
+    FullModelEstimate,
+    StateBytes,
+    StepCosts,
+    StepPeaks,
+    extrapolate_layers,
+)
+from titan_upipe.emulate.rank import TrainingRank, build_training_rank, rank_device
+from titan_upipe.emulate.step import StepResult, run_steps
+from titan_upipe.memory_tracker import storage_bytes
+from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.parallel.mesh import ulysses_part
+from titan_upipe.registry import register_plugin
+from titan_upipe.validation import check_job
+
+GB = 1e9
+DEFAULT_A2A_GBPS = 150.0
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One emulated (or real) rank's training step. Bytes are per rank; see the package docstring."""
+
+    config: str
+    model: str
+    flavor: str
+    cp_mode: str | None
+    world_size: int
+    cp_degree: int
+    dp_shard: int
+    ulysses_degree: int
+    ring_degree: int
+    heads_per_stage: int | None
+    seq_len: int
+    batch: int
+    local_tokens: int
+    n_layers: int
+    """Blocks in the measured model."""
+    n_layers_full: int
+    """Blocks of the configured flavor (or ``full_layers``): the depth ``full`` estimates."""
+    fake: bool
+    rank: int
+    device: str
+    param_dtype: str
+    activation_checkpoint: str
+    steps: int
+    # memory
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    state_bytes: int
+    layer_param_bytes: int
+    layer_grad_bytes: int
+    layer_optimizer_bytes: int
+    baseline_bytes: int
+    peak_bytes: int
+    phase_peak_bytes: dict[str, int]
+    peak_op: str
+    total_peak_bytes: int
+    end_bytes: int
+    """Tracked bytes still live at the end of the step (the gradients, mostly)."""
+    retained_bytes_per_layer: float
+    host_offload_bytes: int
+    device_peak_allocated_bytes: int | None
+    device_peak_reserved_bytes: int | None
+    device_total_bytes: int | None
+    """CUDA: the device's memory (``total_memory``); None on CPU."""
+    # time
+    step_time_s: float
+    phase_time_s: dict[str, float]
+    attention_time_s: float
+    attention_forward_time_s: float
+    attention_backward_time_s: float
+    other_compute_time_s: float
+    # communication (modeled)
+    a2a_bytes: float
+    a2a_wire_bytes: float
+    p2p_bytes: float
+    a2a_gbps: float
+    p2p_gbps: float
+    comm_time_s: float
+    loss: float | None
+    """The real run's loss (None in fake mode, where it is garbage)."""
+    full: FullModelEstimate
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ModeledComm:
+    """The step's modeled communication: bytes of every converted attention call and their time."""
+
+    a2a_bytes: float
+    a2a_wire_bytes: float
+    p2p_bytes: float
+    a2a_gbps: float
+    p2p_gbps: float
+    attention: ContextParallelAttention | None
+    """The first converted attention module (its layout describes the run); None without CP."""
+
+    @property
+    def comm_time_s(self) -> float:
+        """``a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes)."""
+        return self.a2a_wire_bytes / (self.a2a_gbps * GB) + self.p2p_bytes / (self.p2p_gbps * GB)
+
+
+def modeled_comm(job_config, model: torch.nn.Module, elem_size: int, a2a_gbps: float,
+                 p2p_gbps: float) -> ModeledComm:
+    """Step communication of all converted attention modules (``attention_comm_bytes`` of the
+    first, times the module count, with the forward's recomputation under AC)."""
+    modules = [m for m in model.modules() if isinstance(m, ContextParallelAttention)]
+    if not modules:
+        return ModeledComm(0.0, 0.0, 0.0, a2a_gbps, p2p_gbps, None)
+    module = modules[0]
+    local_len = job_config.training.seq_len // module.cp_degree
+    _, ulysses_rank, _ = ulysses_part(module.cp_mesh)
+    per_call = attention_comm_bytes(module.schedule, module.mode, module.ring_degree,
+                                    job_config.training.local_batch_size, local_len, module.head_dim, elem_size,
+                                    ulysses_rank)
+    step = per_call.per_step(len(modules), recompute_fraction(job_config.activation_checkpoint))
+    return ModeledComm(step["a2a_bytes"], step["a2a_wire_bytes"], step["p2p_bytes"], a2a_gbps, p2p_gbps, module)
+
+
+def _state_bytes(rank: TrainingRank, step: StepResult) -> StateBytes:
+    """The rank's state after the step (FSDP: local shards); gradients as measured after backward."""
+    params, layer_ids = rank.params, rank.layer_ids()
+    return StateBytes(
+        param_bytes=storage_bytes(params), grad_bytes=step.grad_bytes,
+        optimizer_bytes=storage_bytes(rank.optimizer_tensors()),
+        layer_param_bytes=storage_bytes(p for p in params if id(p) in layer_ids),
+        layer_grad_bytes=step.layer_grad_bytes,
+        layer_optimizer_bytes=storage_bytes(rank.optimizer_tensors(only=layer_ids)),
+        buffer_bytes=storage_bytes(list(rank.model.buffers())),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _step_measurement(job_config, world_size: int, rank: TrainingRank, device: torch.device, *, fake: bool,
+                      steps: int, step: StepResult, state: StateBytes, comm: ModeledComm, param_dtype: torch.dtype,
+                      full: FullModelEstimate) -> StepMeasurement:
+    par, ac, training = job_config.parallelism, job_config.activation_checkpoint, job_config.training
+    module = comm.attention
+    is_cuda = device.type == "cuda"
+    attention_time = step.attention_time_s
+    return StepMeasurement(
+        config=str(job_config.job.config_file), model=job_config.model.name, flavor=job_config.model.flavor,
+        cp_mode=cp_mode(job_config.model.converters), world_size=world_size, cp_degree=par.context_parallel_degree,
+        dp_shard=rank.parallel_dims.dp_shard, ulysses_degree=module.ulysses_degree if module else 1,
+        ring_degree=module.ring_degree if module else 1,
+        heads_per_stage=module.heads_per_stage if module is not None and module.mode == "upipe" else None,
+        seq_len=training.seq_len, batch=training.local_batch_size,
+        local_tokens=training.local_batch_size * training.seq_len // par.context_parallel_degree,
+        n_layers=rank.n_layers, n_layers_full=rank.n_layers_full, fake=fake, rank=dist.get_rank(),
+        device=str(device), param_dtype=_dtype_name(param_dtype),
+        activation_checkpoint=ac.mode + (" + cpu offload" if getattr(ac, "cpu_offload", False) else ""),
+        steps=steps, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
+        optimizer_bytes=state.optimizer_bytes, buffer_bytes=state.buffer_bytes,
+        state_bytes=state.param_bytes + state.grad_bytes + state.optimizer_bytes,
+        layer_param_bytes=state.layer_param_bytes, layer_grad_bytes=state.layer_grad_bytes,
+        layer_optimizer_bytes=state.layer_optimizer_bytes, baseline_bytes=step.baseline_bytes,
+        peak_bytes=step.peak_bytes, phase_peak_bytes=step.phase_peak_bytes, peak_op=step.peak_op,
+        total_peak_bytes=step.baseline_bytes + step.peak_bytes, end_bytes=step.end_bytes,
+        retained_bytes_per_layer=step.retained_bytes_per_layer, host_offload_bytes=step.host_offload_bytes,
+        device_peak_allocated_bytes=step.device_peak_allocated_bytes,
+        device_peak_reserved_bytes=step.device_peak_reserved_bytes,
+        device_total_bytes=torch.cuda.get_device_properties(device).total_memory if is_cuda else None,
+        step_time_s=step.step_time_s, phase_time_s=step.phase_time_s, attention_time_s=attention_time,
+        attention_forward_time_s=step.attention_forward_time_s,
+        attention_backward_time_s=step.attention_backward_time_s,
+        other_compute_time_s=step.step_time_s - attention_time, a2a_bytes=comm.a2a_bytes,
+        a2a_wire_bytes=comm.a2a_wire_bytes, p2p_bytes=comm.p2p_bytes, a2a_gbps=comm.a2a_gbps,
+        p2p_gbps=comm.p2p_gbps, comm_time_s=comm.comm_time_s, loss=step.loss, full=full,
+    )
+
+
+def _measure(job_config, world_size: int, *, fake: bool, n_layers: int | None, steps: int, device: torch.device,
+             a2a_gbps: float, p2p_gbps: float, time_attention: bool, full_layers: int | None) -> StepMeasurement:
+    rank = build_training_rank(job_config, world_size, device, n_layers)
+    if full_layers is not None:
+        rank.n_layers_full = full_layers
+    rank.materialize_optimizer_state()
+    step = run_steps(rank, job_config, device, steps=steps, fake=fake, time_attention=time_attention)
+    state = _state_bytes(rank, step)
+    # Activations (and so the all-to-all buffers) are in the parameter dtype: FSDP's
+    # mixed precision, or autocast without FSDP.
+    param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    elem_size = torch.empty((), dtype=param_dtype).element_size()
+    comm = modeled_comm(job_config, rank.model, elem_size, a2a_gbps, p2p_gbps)
+    peaks = StepPeaks(step.phase_peak_bytes, step.retained_bytes_per_layer, step.host_offload_bytes,
+                      step.device_peak_allocated_bytes, step.device_peak_reserved_bytes)
+    costs = StepCosts(a2a_bytes=comm.a2a_bytes, a2a_wire_bytes=comm.a2a_wire_bytes, p2p_bytes=comm.p2p_bytes,
+                      comm_time_s=comm.comm_time_s, attention_time_s=step.attention_time_s,
+                      other_compute_time_s=step.step_time_s - step.attention_time_s)
+    full = extrapolate_layers(n_measured=rank.n_layers, n_full=rank.n_layers_full, state=state, peaks=peaks,
+                              costs=costs)
+    return _step_measurement(job_config, world_size, rank, device, fake=fake, steps=steps, step=step, state=state,
+                             comm=comm, param_dtype=param_dtype, full=full)
+
+
+@contextmanager
+def _process_group(world_size: int, fake: bool, rank: int, device: torch.device) -> Iterator[None]:
+    """The default process group for the measurement; a fake one is started (and ended) here."""
+    if not fake:
+        if not dist.is_initialized():
+            raise RuntimeError("measure_step(fake=False) runs inside a multi-process job: initialise the default "
+                               "process group first (or use fake=True)")
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(f"the default process group has {dist.get_world_size()} ranks, not {world_size}")
+        yield
+        return
+    if dist.is_initialized():
+        if dist.get_backend() != "fake" or dist.get_world_size() != world_size:
+            raise RuntimeError("measure_step(fake=True) needs its own process: a non-fake default process group "
+                               f"(backend {dist.get_backend()!r}, {dist.get_world_size()} ranks) is already running")
+        yield
+        return
+    # Imported here, not at the top: importing it registers torch.distributed's "fake" backend,
+    # a process-wide side effect only a fake measurement should have.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    flush = torch.set_flush_denormal(True) if device.type == "cpu" else False
+    try:
+        yield
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)
+        dist.destroy_process_group()
+
+
+def measure_step(
+    job_config,
+    world_size: int,
+    *,
+    fake: bool,
+    n_layers: int | None = None,
+    steps: int = 1,
+    rank: int = 0,
+    a2a_gbps: float = DEFAULT_A2A_GBPS,
+    p2p_gbps: float | None = None,
+    time_attention: bool = True,
+    full_layers: int | None = None,
+) -> StepMeasurement:
+    """Build the configured model for one rank of a ``world_size``-rank job and measure
+    ``steps`` training steps (the last one is reported). See the package docstring for what
+    is measured.
+
+    ``fake``: False inside a real job (the default process group has ``world_size`` ranks);
+    True to emulate rank ``rank`` in this process on the fake backend (started and ended
+    here; the process must not have another default process group).
+    ``n_layers``: build this many blocks instead of the flavor's (``full`` extrapolates).
+    ``a2a_gbps``/``p2p_gbps``: bandwidths (GB/s per direction) of the modeled communication.
+    ``time_attention``: hook the attention modules for the time split (synchronises CUDA
+    at every attention boundary; off leaves ``attention_*`` at 0).
+    ``full_layers``: the depth ``full`` extrapolates to (default: the flavor's ``n_layers``).
+    """
+    register_plugin()
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    check_job(job_config, world_size)
+    device = rank_device()
+    if fake and not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of the {world_size} ranks")
+    with _process_group(world_size, fake, rank, device):
+        return _measure(job_config, world_size, fake=fake, n_layers=n_layers, steps=steps, device=device,
+                        a2a_gbps=a2a_gbps, p2p_gbps=p2p_gbps if p2p_gbps is not None else a2a_gbps,
+                        time_attention=time_attention, full_layers=full_layers)

@@ -1,0 +1,133 @@
+"""Memory planner: predicted per-rank peak memory of a training step, the longest context that
+fits, and the UPipe head chunk ``U`` to use — the command line (``python -m titan_upipe.plan``).
+
+``python -m titan_upipe.plan --job.config_file X.toml [--world-size N] [--section.key value ...]``
+``python -m titan_upipe.plan --model llama3_8b --seq-len 5M --cp 8 --ulysses 8 --gpu-mem 80 --host-mem 1900``
+(add ``--json`` for one JSON object, ``--plot out.png`` for peak vs sequence length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+
+from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput
+from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
+from titan_upipe.plan.report import make_plot, render, summary
+from titan_upipe.plan.step import plan
+from titan_upipe.plan.units import GIB, parse_length
+from titan_upipe.registry import register_plugin
+from titan_upipe.train import parse_config
+
+
+def _model_job(args) -> PlanInput:
+    """The job of ``--model``: the paper's recipe on the given cluster (bf16 FSDP, offloaded full
+    AC, every transform, Liger CE on CUDA), or full AC alone with ``--no-transforms``."""
+    dims = model_dims(args.model)
+    mode = args.mode
+    ulysses = args.ulysses
+    if mode == "upipe-in-usp":
+        mode = "upipe"
+    if mode in ("ring",):
+        ulysses = 1
+    job = PlanInput(
+        model=dims, seq_len=parse_length(args.seq_len), batch=args.batch, cp=args.cp, ulysses=ulysses, mode=mode,
+        heads_per_stage=args.heads_per_stage, world_size=args.world_size or 0, device=args.device or "cuda",
+        gpus_per_node=args.gpus_per_node, param_bytes=2 if (args.device or "cuda") == "cuda" else 4,
+        pin_memory={"auto": None, "true": True, "false": False}[args.pin_memory],
+        ce_backend="liger" if (args.device or "cuda") == "cuda" else "torch",
+        attention_backend=args.attention_backend,
+    )
+    if args.no_transforms:
+        job = replace(job, tiled_mlp=False, tiled_rmsnorm=False, fused_rope=False, fused_ce=False,
+                      ac_mode="full", cpu_offload=False)
+    return job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m titan_upipe.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="llama3_8b, qwen3_32b or <model.name>:<flavor> (instead of a TOML)")
+    parser.add_argument("--seq-len", default="128K", help="sequence length, e.g. 131072, 128K, 5M (2^20 per M)")
+    parser.add_argument("--cp", type=int, default=8, help="context-parallel degree")
+    parser.add_argument("--ulysses", type=int, default=0, help="Ulysses degree (0: all of CP); ring = cp / ulysses")
+    parser.add_argument("--mode", default="upipe", choices=[m for m in MODES if m != "none"])
+    parser.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U (default: the Ulysses degree)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: cp, or the TOML's degrees)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="default: cuda (for a TOML: cpu when mixed_precision_param is float32)")
+    parser.add_argument("--pin-memory", choices=["auto", "true", "false"], default="auto",
+                        help="--model only: offload buffers pinned, pageable, or pinned when they fit (auto)")
+    # No "auto" here: a TOML's auto is planned as PLAN_AUTO_BACKEND.
+    parser.add_argument("--attention-backend", default="flash_attn3",
+                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],
+                        help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
+    parser.add_argument("--no-transforms", action="store_true",
+                        help="--model only: full AC without offload and no tiling/fusing")
+    parser.add_argument("--gpu-mem", type=float, default=None, help="GiB of device memory per GPU (e.g. 80)")
+    parser.add_argument("--host-mem", type=float, default=None, help="GiB of host memory per node (e.g. 1900)")
+    parser.add_argument("--reserve-gib", type=float, default=None,
+                        help=f"runtime reserve kept free on each GPU (default {RUNTIME_RESERVE_GIB_CUDA} on cuda, 0 on cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", default=None, help="write a PNG of predicted peak vs sequence length")
+    return parser
+
+
+def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bool) -> tuple[PlanInput, str | None]:
+    """(the job, the paper model whose Table 4 points to plot) from a TOML or ``--model``."""
+    if from_config:
+        job_config = parse_config(rest)
+        job = plan_input_from_job_config(job_config, args.world_size, args.device)
+        job = replace(job, gpus_per_node=args.gpus_per_node)
+        paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items()
+                            if (name, flavor) == (job_config.model.name, job_config.model.flavor)), None)
+    else:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        job = _model_job(args)
+        paper_model = args.model if args.model in KNOWN_MODELS else None
+    if args.reserve_gib is not None:
+        job = replace(job, reserve_bytes=int(args.reserve_gib * GIB))
+    return job, paper_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    register_plugin()  # TorchTitan must know the plugin's specs, converters and config before a TOML is read
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    config_flags = ("--job.config_file", "--job.config-file")
+    from_config = any(a.split("=", 1)[0] in config_flags for a in rest)
+    if from_config == bool(args.model):
+        parser.error("give either --job.config_file X.toml [--section.key value ...] or --model NAME")
+    try:
+        job, paper_model = _job(parser, args, rest, from_config)
+        gpu = args.gpu_mem * GIB if args.gpu_mem is not None else None
+        host = args.host_mem * GIB if args.host_mem is not None else None
+        result = plan(job, host)
+        info = summary(result, gpu, host)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.plot:
+        message = make_plot(job, args.plot, gpu, host, paper_model)
+        info["plot"] = args.plot
+        if message:
+            info["notes"].append(message)
+            print(message, file=sys.stderr)
+    if args.json:
+        print(json.dumps({**info, "job": _job_dict(job)}, indent=1))
+    else:
+        print(render(result, info))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _job_dict(job: PlanInput) -> dict:
+    d = asdict(job)
+    d["model"] = asdict(job.model)
+    return d

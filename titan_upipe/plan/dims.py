@@ -1,0 +1,88 @@
+"""The model dimensions that decide memory, read from TorchTitan flavor args.
+
+Parameters per transformer block: attention ``d (2 H D + 2 KV D)`` (+ ``2 D`` q/k-norm weights
+for Qwen3), SwiGLU MLP ``3 d F``, two RMSNorm weights ``2 d``. Embedding ``V d``; output
+projection ``V d`` (none when tied) plus the final norm ``d``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions that decide memory (TorchTitan flavor args)."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab: int
+    tied: bool = False
+    qk_norm: bool = False
+    rope: str = "llama3"
+    """``llama3``: complex64 ``[S, D/2]`` table; ``qwen3``: fp32 ``cos‖sin`` ``[S, 2D]``."""
+
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return self.dim * (2 * self.q_width + 2 * self.kv_width) + qk_norm
+
+    @property
+    def block_params(self) -> int:
+        return self.attention_params + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
+    def block_tensors(self) -> int:
+        return 9 + (2 if self.qk_norm else 0)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.dim
+
+    @property
+    def output_params(self) -> int:
+        """The output projection plus the final norm (one FSDP group in TorchTitan)."""
+        return (0 if self.tied else self.vocab * self.dim) + self.dim
+
+    @property
+    def total_params(self) -> int:
+        return self.n_layers * self.block_params + self.embedding_params + self.output_params
+
+    @property
+    def param_tensors(self) -> int:
+        return self.n_layers * self.block_tensors + (2 if self.tied else 3)
+
+
+def _llama3_ffn(dim: int, multiple_of: int, multiplier: float | None) -> int:
+    """TorchTitan Llama3's hidden size: ``2/3 * 4d``, scaled, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def model_dims_from_args(name: str, args) -> ModelDims:
+    """ModelDims of a TorchTitan Llama3 ``TransformerModelArgs`` or Qwen3 ``Qwen3ModelArgs``."""
+    n_kv = args.n_kv_heads or args.n_heads
+    if hasattr(args, "hidden_dim"):  # Qwen3
+        return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
+                         head_dim=args.head_dim, ffn_dim=args.hidden_dim, vocab=args.vocab_size,
+                         tied=bool(getattr(args, "enable_weight_tying", False)), qk_norm=bool(args.qk_norm),
+                         rope="qwen3")
+    return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
+                     head_dim=args.dim // args.n_heads,
+                     ffn_dim=_llama3_ffn(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+                     vocab=args.vocab_size, rope="llama3")

@@ -1,0 +1,61 @@
+"""A parsed TorchTitan JobConfig as a PlanInput: the flavor's dimensions, the CP converter and
+degrees, the memory transforms, activation checkpointing and the dtypes."""
+
+from __future__ import annotations
+
+from titan_upipe.flavors import flavor_args
+from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.plan.dims import model_dims_from_args
+from titan_upipe.plan.job import PlanInput
+from titan_upipe.plan.result import MemoryPlan
+from titan_upipe.plan.step import plan
+
+PLAN_AUTO_BACKEND = "flash_attn4"
+"""What ``attention_backend = "auto"`` resolves to on the GPUs the recipes target (Hopper with
+the ``[gpu]`` extra, which installs flash-attn-4); the planner predicts another machine, so it
+cannot probe what is installed there."""
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
+
+
+def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
+    """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.train.parse_config``)."""
+    dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}",
+                                flavor_args(job_config, update=False))
+    converters = list(job_config.model.converters)
+    par = job_config.parallelism
+    cp = par.context_parallel_degree
+    mode = cp_mode(converters) or "none"
+    upipe = job_config.upipe
+    if world_size is None:
+        shard = par.data_parallel_shard_degree
+        world_size = (shard if shard > 0 else 1) * cp * par.data_parallel_replicate_degree
+    param_dtype = job_config.training.mixed_precision_param
+    if device is None:
+        device = "cpu" if param_dtype == "float32" else "cuda"
+    transforms = job_config.transforms
+    ac = job_config.activation_checkpoint
+    backend = transforms.ce_backend
+    if backend == "auto":
+        backend = "liger" if device == "cuda" else "torch"
+    if ac.mode not in ("none", "full"):
+        raise ValueError(f"activation_checkpoint.mode = {ac.mode!r}: the planner models 'none' and 'full'")
+    return PlanInput(
+        model=dims, seq_len=job_config.training.seq_len, batch=job_config.training.local_batch_size, cp=cp,
+        ulysses=upipe.ulysses_degree, mode=mode, heads_per_stage=upipe.heads_per_stage or None,
+        world_size=world_size, param_bytes=_dtype_bytes(param_dtype),
+        reduce_bytes=_dtype_bytes(job_config.training.mixed_precision_reduce),
+        tiled_mlp="tiled_mlp" in converters, tiled_rmsnorm="tiled_rmsnorm" in converters,
+        fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
+        mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
+        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac.mode,
+        attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
+        cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
+        device=device,
+    )
+
+
+def plan_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> MemoryPlan:
+    return plan(plan_input_from_job_config(job_config, world_size, device))

@@ -1,0 +1,203 @@
+"""What the planner reports: the summary (one JSON-able dict), its text rendering, and the plot
+of predicted peak vs sequence length with the paper's Table 4 points
+(``docs/data/paper_tables.csv``)."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+
+from titan_upipe.plan.job import UPIPE_MODES, PlanInput
+from titan_upipe.plan.result import MemoryPlan
+from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
+from titan_upipe.plan.step import plan
+from titan_upipe.plan.units import GIB, K, format_length, parse_length
+
+PAPER_TABLES_CSV = Path(__file__).resolve().parents[2] / "docs" / "data" / "paper_tables.csv"
+"""The paper's Tables 3-5 (Table 4: peak GiB per method and length) as data inside the repository
+(``docs/data/README.md`` names the source)."""
+
+PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
+PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}
+"""Table 4's methods drawn on the plot, by their labels' leading word."""
+
+
+def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: float | None) -> dict:
+    """The plan as one dict (``--json``); with ``gpu_mem_bytes`` also the fit, the longest
+    sequence that fits and the recommended U."""
+    job = result.job
+    out = {
+        "model": job.model.name,
+        "mode": job.resolved_mode,
+        "seq_len": job.seq_len,
+        "cp": job.cp,
+        "ulysses_degree": job.ulysses_degree,
+        "ring_degree": job.ring,
+        "heads_per_stage": job.u if job.resolved_mode in UPIPE_MODES else None,
+        "world_size": job.ranks,
+        "tokens_per_rank": job.tokens,
+        "device": job.device,
+        "peak_gpu_gib": result.peak_gpu_bytes / GIB,
+        "peak_gpu_bytes": result.peak_gpu_bytes,
+        "peak_phase": result.peak_phase,
+        "peak_where": result.peak.where,
+        "phase_peak_gib": {k: v / GIB for k, v in result.phase_peaks.items()},
+        "breakdown_bytes": result.breakdown,
+        "runtime_reserve_gib": job.reserve / GIB,
+        "host_gib": result.host_bytes / GIB,
+        "host_gib_per_rank": result.host_bytes_per_rank / GIB,
+        "host_pinned": result.host_pinned,
+        "notes": result.notes,
+    }
+    if gpu_mem_bytes is not None:
+        out["gpu_mem_gib"] = gpu_mem_bytes / GIB
+        out["fits"] = result.fits(gpu_mem_bytes, host_mem_bytes)
+        out["max_seq_len"] = max_seq_len(job, gpu_mem_bytes, host_mem_bytes)
+        u, ok = recommended_heads_per_stage(job, gpu_mem_bytes, host_mem_bytes)
+        out["recommended_heads_per_stage"] = u
+        out["recommended_heads_per_stage_fits"] = ok
+    if host_mem_bytes is not None:
+        out["host_mem_gib"] = host_mem_bytes / GIB
+    return out
+
+
+def render(result: MemoryPlan, info: dict) -> str:
+    """The text report: the peak's terms, largest first, then host memory, fit and U."""
+    job = result.job
+    lines = [
+        f"{job.model.name}: {info['mode']} (ulysses {job.ulysses_degree} x ring {job.ring}"
+        + (f", U = {job.u}, {job.model.n_heads // job.u} stages" if info["heads_per_stage"] else "")
+        + f"), seq_len {format_length(job.seq_len)} ({job.seq_len}), {job.ranks} ranks, {job.tokens} tokens/rank, "
+        f"{job.device}",
+        f"peak {result.peak_gpu_bytes / GIB:.2f} GiB per rank, set by {result.peak_phase} ({result.peak.where}):",
+    ]
+    width = max(len(k) for k in result.breakdown)
+    for k, v in sorted(result.breakdown.items(), key=lambda kv: -kv[1]):
+        if v:
+            lines.append(f"  {k:<{width}}  {v / GIB:9.3f} GiB")
+    lines.append(f"  {'= peak (predicted max_memory_allocated)':<{width}}  {result.peak_gpu_bytes / GIB:9.3f} GiB")
+    lines.append(f"  {'+ runtime reserve (not allocated; fit check only)':<{width}}  {job.reserve / GIB:9.3f} GiB")
+    lines.append("phase peaks: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.phase_peaks.items()))
+    pin = "pinned" if result.host_pinned else "pageable"
+    lines.append(f"host (offloaded block inputs, {pin}): {result.host_bytes_per_rank / GIB:.1f} GiB per rank, "
+                 f"{result.host_bytes / GIB:.1f} GiB per node")
+    if "fits" in info:
+        lines.append(f"fits in {info['gpu_mem_gib']:g} GiB"
+                     + (f" / {info['host_mem_gib']:g} GiB host" if "host_mem_gib" in info else "")
+                     + f": {'yes' if info['fits'] else 'no'}")
+        lines.append(f"longest sequence that fits: {format_length(info['max_seq_len'])} ({info['max_seq_len']})")
+        ok = "" if info["recommended_heads_per_stage_fits"] else " (nothing fits; least memory)"
+        lines.append(f"recommended U (heads per stage): {info['recommended_heads_per_stage']}{ok}")
+    lines.extend(f"note: {n}" for n in result.notes)
+    return "\n".join(lines)
+
+
+def paper_table4(model: str) -> dict[str, dict[int, float | None]] | None:
+    """Table 4 (peak GiB) rows of ``model`` (llama3_8b / qwen3_32b) from the shared anchors:
+    {method: {seq_len: GiB or None (OOM)}}; None when the file is missing."""
+    if not PAPER_TABLES_CSV.exists():
+        return None
+    rows: dict[str, dict[int, float | None]] = {}
+    with open(PAPER_TABLES_CSV, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["table"] != "4" or row["model"] != model:
+                continue
+            values = {}
+            for key in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"):
+                cell = row.get(key, "")
+                if cell == "":
+                    continue
+                values[parse_length(key)] = None if cell == "OOM" else float(cell)
+            rows[row["method"]] = values
+    return rows
+
+
+def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
+    """Ulysses, UPipe (U = C) and USP on the job's model and cluster."""
+    variants = []
+    cu = job.ulysses_degree if job.ulysses_degree > 1 else job.cp
+    ring = job.cp // cu
+    if ring == 1:
+        variants.append(("Ulysses", replace(job, mode="ulysses", ulysses=job.cp, heads_per_stage=None)))
+        variants.append((f"UPipe (U = C = {cu})", replace(job, mode="upipe", ulysses=job.cp, heads_per_stage=None)))
+        usp_u = next((d for d in range(job.cp // 2, 1, -1) if job.cp % d == 0 and job.model.n_heads % d == 0), None)
+        if usp_u:
+            variants.append((f"USP (ulysses {usp_u} x ring {job.cp // usp_u})",
+                             replace(job, mode="usp", ulysses=usp_u, heads_per_stage=None)))
+        variants.append((f"Ring (zigzag, {job.cp})", replace(job, mode="ring", ulysses=1, heads_per_stage=None)))
+    else:
+        variants.append((f"USP (ulysses {cu} x ring {ring})", replace(job, mode="usp", ulysses=cu, heads_per_stage=None)))
+        variants.append((f"UPipe in USP (U = {cu})", replace(job, mode="upipe", ulysses=cu, heads_per_stage=None)))
+        if job.model.n_heads % job.cp == 0:
+            variants.append((f"Ulysses ({job.cp})", replace(job, mode="ulysses", ulysses=job.cp, heads_per_stage=None)))
+    return variants
+
+
+COLORS = {"Ulysses": "tab:blue", "UPipe": "tab:green", "USP": "tab:orange", "Ring": "tab:red", "FPDT": "tab:gray"}
+
+
+def _color(label: str) -> str:
+    return next((c for k, c in COLORS.items() if label.startswith(k)), "black")
+
+
+def _plot_predictions(ax, job: PlanInput, host_mem_bytes: float | None) -> None:
+    for label, variant in plot_variants(job):
+        xs, ys = [], []
+        for s in PLOT_LENGTHS:
+            v = replace(variant, seq_len=s - s % variant.seq_unit)
+            try:
+                ys.append(plan(v, host_mem_bytes).peak_gpu_bytes / GIB)
+            except ValueError:
+                continue
+            xs.append(s / (K * K))
+        style = "--^" if label.startswith("Ring") else "-o"
+        ax.plot(xs, ys, style, color=_color(label), label=f"{label}: predicted", markersize=4)
+
+
+def _plot_paper(ax, paper_model: str | None) -> str | None:
+    """The paper's Table 4 points; a message when the table is missing."""
+    table = paper_table4(paper_model) if paper_model else None
+    if paper_model and table is None:
+        return f"paper Table 4 points not drawn: {PAPER_TABLES_CSV} not found"
+    if table:
+        gpus = "8xH100" if paper_model == "llama3_8b" else "16xH100"
+        for method, label in PAPER_ROWS.items():
+            points = table.get(method, {})
+            xs = [s / (K * K) for s, v in points.items() if v is not None]
+            ys = [v for v in points.values() if v is not None]
+            if xs:
+                ax.plot(xs, ys, linestyle="none", marker="x" if method != "upipe" else "s", color=_color(label),
+                        markerfacecolor="none", markersize=8, label=f"paper Table 4 {label} ({gpus})")
+    return None
+
+
+def make_plot(job: PlanInput, path: str, gpu_mem_bytes: float | None, host_mem_bytes: float | None,
+              paper_model: str | None) -> str | None:
+    """Write the PNG; returns a message about the paper's points when they are missing."""
+    import matplotlib  # optional dependency: only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _plot_predictions(ax, job, host_mem_bytes)
+    message = _plot_paper(ax, paper_model)
+    if gpu_mem_bytes:
+        ax.axhline(gpu_mem_bytes / GIB, color="black", linewidth=0.8, linestyle="--", label="GPU memory")
+        ax.axhline((gpu_mem_bytes - job.reserve) / GIB, color="black", linewidth=0.6, linestyle=":",
+                   label="GPU memory - runtime reserve")
+    top = max(max(line.get_ydata()) for line in ax.get_lines() if len(line.get_ydata()))
+    if gpu_mem_bytes:
+        top = min(top, 1.6 * gpu_mem_bytes / GIB)
+    ax.set_ylim(0, top * 1.05)
+    ax.set_xlabel("sequence length (M tokens, 1M = 2^20)")
+    ax.set_ylabel("peak memory per GPU (GiB)")
+    ax.set_title(f"{job.model.name}, {job.ranks} GPUs, {job.attention_backend}: predicted peak vs paper Table 4",
+                 fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return message
