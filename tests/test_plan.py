@@ -15,21 +15,12 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from plan_jobs import GIB, LLAMA, REPO, gpu_job
 
 from titan_upipe import plan as P
-from titan_upipe.attention.validation import valid_heads_per_stage
-
-REPO = Path(__file__).resolve().parents[1]
-GIB = P.GIB
-LLAMA = P.KNOWN_MODELS["llama3_8b"]
-
-
-def gpu_job(seq: str = "1M", **kw) -> P.PlanInput:
-    """The paper's recipe: Llama3-8B, 8 ranks, UPipe U = C, bf16 FSDP, offloaded full AC, transforms."""
-    return P.PlanInput(LLAMA, seq_len=P.parse_length(seq), cp=8, **{"ulysses": 8, **kw})
+from titan_upipe.parallel.cp_layout import valid_heads_per_stage
 
 
 def test_lengths_parse_like_the_configs():
@@ -206,13 +197,6 @@ def test_plot_is_written(tmp_path, capsys):
     table = P.paper_table4("llama3_8b")  # docs/data/paper_tables.csv, inside the repository
     assert table["upipe"][P.parse_length("5M")] == pytest.approx(72.30)
     assert table["ulysses"][P.parse_length("4M")] is None  # OOM
-
-
-def test_paper_table_absence_is_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr(P, "PAPER_TABLES_CSV", tmp_path / "missing.csv")
-    assert P.paper_table4("llama3_8b") is None
-    message = P.make_plot(gpu_job(), str(tmp_path / "p.png"), 80 * GIB, None, "llama3_8b")
-    assert message and "not found" in message and (tmp_path / "p.png").exists()
 
 
 # --- prediction vs measurement at small sizes (CPU) ------------------------------------------

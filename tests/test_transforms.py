@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_upipe.memory_tracker import LiveTensorTracker
-from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy
 from titan_upipe.transforms.model_forward import FinalHiddenStates, enable_fused_rope
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
+from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.transforms.tiled_mlp import TiledFeedForward
 from titan_upipe.transforms.tiled_rmsnorm import TiledRMSNorm
 

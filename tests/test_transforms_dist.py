@@ -34,9 +34,9 @@ def _convert(model, mesh, case: Case, rope_tables: list):
 
     from titan_upipe import cpu_runtime
     from titan_upipe.attention import convert_attention
-    from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
     from titan_upipe.transforms.model_forward import enable_fused_rope
     from titan_upipe.transforms.offload import apply_offloaded_ac
+    from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 
     if case.cp:
         for block in model.layers.values():

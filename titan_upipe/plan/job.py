@@ -1,6 +1,10 @@
 """One training job as the planner sees it: the model, the sequence, the context-parallel layout
 and the memory settings (``PlanInput``), with the per-rank quantities derived from them.
 
+Per rank: ``T = B S / C`` tokens (``tokens``) of a sequence of ``S`` split over ``C`` CP ranks;
+activations in FSDP's param dtype (fp32 without FSDP); ``S`` a multiple of ``seq_unit`` (``C``,
+or ``2 R C_u`` with a ring of ``R = C / C_u`` ranks: zigzag chunks over the Ulysses ranks).
+
 The CP degrees, U and the sequence divisor are ``titan_upipe.parallel.cp_layout.CPLayout``'s.
 The planner accepts a few settings the plugin's layout does not, and plans them as the layout
 they amount to (``_layout_settings``): no CP attention (``none``) or a CP degree of 1 under any
@@ -101,7 +105,7 @@ class PlanInput:
 
     # ---- the CP layout
     @cached_property
-    def cp_mesh(self) -> CPLayout:
+    def degrees(self) -> CPLayout:
         """The CP layout without the heads: mode, ring and Ulysses degrees, sequence divisor."""
         return CPLayout(*_layout_settings(self.mode, self.cp, self.ulysses))
 
@@ -124,16 +128,16 @@ class PlanInput:
 
     @property
     def ulysses_degree(self) -> int:
-        return self.cp_mesh.ulysses_degree
+        return self.degrees.ulysses_degree
 
     @property
     def ring(self) -> int:
-        return self.cp_mesh.ring_degree
+        return self.degrees.ring_degree
 
     @property
     def u(self) -> int:
         """UPipe's U (meaningful for upipe modes)."""
-        if self.layout.mode is CPMode.UPIPE:
+        if self.degrees.mode is CPMode.UPIPE:
             return self.layout.heads_per_stage
         return self.heads_per_stage or self.ulysses_degree
 
@@ -141,7 +145,7 @@ class PlanInput:
     def seq_unit(self) -> int:
         """seq_len must be a multiple of this (CP, or 2 x ring x ulysses with a ring). Without a
         CP attention the planner still splits the sequence over the ``cp`` ranks."""
-        return self.cp_mesh.seq_divisor if self.cp_mesh.mode is not None else self.cp
+        return self.degrees.seq_divisor if self.degrees.mode is not None else self.cp
 
     # ---- per rank
     @property
@@ -196,7 +200,7 @@ class PlanInput:
                              f"valid values are {valid_u}")
         if m.n_heads % cu:
             raise ValueError(f"Ulysses degree {cu} does not divide {m.n_heads} heads")
-        self.layout  # noqa: B018 (CPLayout's head checks)
+        _ = self.layout  # CPLayout's remaining head checks (the K/V heads split), ConfigError
         if self.seq_len % self.seq_unit:
             raise ValueError(f"seq_len {self.seq_len} is not a multiple of {self.seq_unit}")
         if self.ranks % self.cp:

@@ -4,19 +4,14 @@ of predicted peak vs sequence length with the paper's Table 4 points
 
 from __future__ import annotations
 
-import csv
 from dataclasses import replace
-from pathlib import Path
 
+from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, paper_rows
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, K, format_length, parse_length
-
-PAPER_TABLES_CSV = Path(__file__).resolve().parents[2] / "docs" / "data" / "paper_tables.csv"
-"""The paper's Tables 3-5 (Table 4: peak GiB per method and length) as data inside the repository
-(``docs/data/README.md`` names the source)."""
 
 PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
 PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}
@@ -99,17 +94,11 @@ def paper_table4(model: str) -> dict[str, dict[int, float | None]] | None:
     if not PAPER_TABLES_CSV.exists():
         return None
     rows: dict[str, dict[int, float | None]] = {}
-    with open(PAPER_TABLES_CSV, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["table"] != "4" or row["model"] != model:
-                continue
-            values = {}
-            for key in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"):
-                cell = row.get(key, "")
-                if cell == "":
-                    continue
-                values[parse_length(key)] = None if cell == "OOM" else float(cell)
-            rows[row["method"]] = values
+    for row in paper_rows(PAPER_TABLES_CSV):  # this module's name: tests point it elsewhere
+        if row["table"] != "4" or row["model"] != model:
+            continue
+        rows[row["method"]] = {parse_length(key): None if row[key] == "OOM" else float(row[key])
+                               for key in LENGTH_COLUMNS if row.get(key, "")}
     return rows
 
 
