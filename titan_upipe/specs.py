@@ -18,9 +18,9 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from titan_upipe.data import synthetic
 from titan_upipe.flavors import BASE_MODELS, model_flavors
+from titan_upipe.loss import build_loss_fn
 from titan_upipe.metrics import build_metrics_processor
 from titan_upipe.parallelize import parallelize
-from titan_upipe.loss import build_loss_fn
 
 
 def _derived_spec(name: str) -> TrainSpec:
