@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "parallel", "attention", "transforms", "memory_tracker", "step_tracker"),
+    "core": ("errors", "parallel", "attention", "transforms", "memory_tracker"),
     "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
              "cpu_runtime", "data", "registry", "plugin", "train"),
     "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_wheels", "paper_tables"),
@@ -178,20 +178,26 @@ names = [m.name for m in pkgutil.walk_packages(titan_upipe.__path__, "titan_upip
          if m.name != "titan_upipe.plugin" and not m.name.endswith("__main__")]
 for name in names:
     importlib.import_module(name)
+from titan_upipe.train import parse_config
+from titan_upipe.validation import check_job
+check_job(parse_config(["--job.config_file", "configs/debug/llama3_upipe_transforms.toml"]), 2)  # needs no registry
 from torchtitan.protocols import model_converter
 from torchtitan.protocols.train_spec import get_train_spec
 import torchtitan.tools.utils as titan_utils
+from torchtitan.hf_datasets.text_datasets import DATASETS
 registered = {name for name in ("upipe", "ulysses", "tiled_mlp")
               if name in model_converter._registry_model_converter_cls}
-try:
-    get_train_spec("upipe_llama3")
-    registered.add("upipe_llama3")
-except ValueError:
-    pass
+registered |= {name for name in ("synthetic_copy",) if name in DATASETS}
+for spec in ("upipe_llama3", "upipe_qwen3"):
+    try:
+        get_train_spec(spec)
+        registered.add(spec)
+    except ValueError:
+        pass
 print("before:", sorted(registered), titan_utils.device_type)
 import titan_upipe.plugin  # noqa: F401
-get_train_spec("upipe_llama3")
-assert "upipe" in model_converter._registry_model_converter_cls
+get_train_spec("upipe_llama3"), get_train_spec("upipe_qwen3")
+assert "upipe" in model_converter._registry_model_converter_cls and "synthetic_copy" in DATASETS
 print("after: registered", titan_utils.device_type)
 """
 

@@ -203,8 +203,7 @@ def test_plot_is_written(tmp_path, capsys):
 
 EMULATE = r"""
 import json, sys
-import titan_upipe
-from titan_upipe.emulate import measure_step
+from titan_upipe.emulate import measure_step  # measure_step registers the plugin itself
 from titan_upipe.train import parse_config
 out = []
 for spec in json.loads(sys.argv[1]):

@@ -83,8 +83,13 @@ def test_invalid_ring_and_usp_jobs(config, overrides, world, message):
         check_job(job(*overrides, config=config), world_size=world)
 
 
-def test_the_old_custom_import_value_is_refused_with_the_new_one():
-    """``custom_import = "titan_upipe"`` would register nothing under torchtitan.train now."""
-    with pytest.raises(ConfigError, match=r"set it to 'titan_upipe.plugin'"):
-        check_job(job("--experimental.custom_import", "titan_upipe"), world_size=2)
-    check_job(job("--experimental.custom_import", ""), world_size=2)
+def test_the_old_custom_import_value_is_a_validate_warning_naming_the_new_one(capsys):
+    """``custom_import = "titan_upipe"`` would register nothing under torchtitan.train now; under
+    titan_upipe.train it still runs, so the job checks accept it and ``validate`` warns."""
+    from titan_upipe import validate
+
+    check_job(job("--experimental.custom_import", "titan_upipe"), world_size=2)
+    assert validate.main([UPIPE, "--world-size", "2", "--experimental.custom_import", "titan_upipe"]) == 0
+    assert "warning: experimental.custom_import = 'titan_upipe'" in capsys.readouterr().out
+    assert validate.main([UPIPE, "--world-size", "2"]) == 0
+    assert "warning" not in capsys.readouterr().out

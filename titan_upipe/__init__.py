@@ -8,11 +8,11 @@ layer           modules
 core            ``errors``, ``parallel`` (CP layout, sequence layouts, meshes), ``attention``
                 (Ulysses, UPipe, ring, USP, kernels), ``transforms`` (tiling, fused RoPE/CE,
                 offload), ``memory_tracker``: torch and TorchTitan's model classes only
-TorchTitan      ``config``, ``flavors``, ``validation`` (job checks), ``metrics``,
+TorchTitan      ``config``, ``flavors``, ``validation`` (job checks), ``loss``, ``metrics``,
 glue            ``parallelize``, ``specs``, ``converters``, ``trainer``, ``cpu_runtime``,
                 ``data``, ``registry`` (``register_plugin``), ``plugin``, ``train``
 tools           ``validate``, ``check``, ``plan``, ``emulate``, ``gpu_suite`` (+ ``gpu_kernels``,
-                ``gpu_wheels``)
+                ``gpu_wheels``), ``paper_tables``
 ==============  ===========================================================================
 
 Importing the package or any module has no side effects. Registration with TorchTitan is

@@ -221,7 +221,6 @@ def run_check(argv: list[str]) -> int:
 
 
 def main() -> None:
-    register_plugin()
     sys.exit(run_check(sys.argv[1:]))
 
 

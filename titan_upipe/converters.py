@@ -27,6 +27,7 @@ from titan_upipe.config import Transforms
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
 from titan_upipe.parallel.cp_layout import CPMode
+from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.validation import attention_backend_choice, check_context_parallel, compute_dtype
@@ -140,11 +141,7 @@ class FusedCrossEntropyConverter(_TransformConverter):
 
 
 CP_CONVERTERS = {cls.mode.value: cls for cls in (UlyssesConverter, UPipeConverter, RingConverter, USPConverter)}
-TRANSFORM_CONVERTERS = {
-    "tiled_mlp": TiledMLPConverter,
-    "tiled_rmsnorm": TiledRMSNormConverter,
-    "fused_rope": FusedRoPEConverter,
-    "fused_ce": FusedCrossEntropyConverter,
-}
+TRANSFORM_CONVERTERS = dict(zip(TRANSFORM_NAMES, (TiledMLPConverter, TiledRMSNormConverter, FusedRoPEConverter,
+                                                  FusedCrossEntropyConverter), strict=True))
 CONVERTERS = {**CP_CONVERTERS, **TRANSFORM_CONVERTERS}
 """Every converter this plugin registers with TorchTitan, by name."""

@@ -35,8 +35,9 @@ from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 
+from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.transforms.offload import OFFLOAD_STATS
-from titan_upipe.validation import attention_backend_choice, cp_mode
+from titan_upipe.validation import attention_backend_choice
 
 GIB = 1024**3
 

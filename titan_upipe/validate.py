@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if world_size is None:
         parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
     problems = find_problems(job_config, world_size)
+    for warning in validation.config_warnings(job_config):
+        print(f"{args.config}: warning: {warning}")
     if problems:
         print(f"{args.config}: {len(problems)} problem(s) for {world_size} ranks:")
         for problem in problems:

@@ -17,10 +17,11 @@ from titan_upipe.attention.backends import BackendChoice, choose_backend
 from titan_upipe.errors import ConfigError
 from titan_upipe.flavors import flavor_args
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, cp_mode, divisors
+from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
 
-__all__ = ["CP_MODES", "JOB_CHECKS", "PLUGIN_IMPORT", "attention_backend_choice", "check_job", "compute_dtype", "cp_layout",
-           "cp_mode"]
+__all__ = ["JOB_CHECKS", "PLUGIN_IMPORT", "attention_backend_choice", "check_job", "compute_dtype", "config_warnings",
+           "cp_layout"]
 
 
 def degrees_besides_shard(parallelism) -> int:
@@ -104,8 +105,9 @@ def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | 
 
 
 def check_converter_names(converters: list[str]) -> None:
-    """Names TorchTitan knows (ours are registered by the entry points, ``registry.register_plugin``)."""
-    known = sorted(model_converter._registry_model_converter_cls)
+    """Names TorchTitan knows plus the plugin's own (known here whether or not
+    ``registry.register_plugin`` has run yet)."""
+    known = sorted({*model_converter._registry_model_converter_cls, *CP_MODES, *TRANSFORM_NAMES})
     unknown = [name for name in converters if name not in known]
     if unknown:
         raise ConfigError(f"model.converters has unknown name(s) {unknown}: valid values are {', '.join(known)}")
@@ -146,18 +148,20 @@ PLUGIN_IMPORT = "titan_upipe.plugin"
 """``experimental.custom_import`` that registers the plugin under ``-m torchtitan.train``."""
 
 
-def check_custom_import(experimental) -> None:
-    """``custom_import = "titan_upipe"`` registered the plugin before importing the package lost
-    its side effects; under ``torchtitan.train`` it would now leave the specs unregistered."""
-    if getattr(experimental, "custom_import", "") == "titan_upipe":
-        raise ConfigError(
-            f"experimental.custom_import = 'titan_upipe' no longer registers the plugin (importing the package "
-            f"has no side effects): set it to {PLUGIN_IMPORT!r}, or leave it empty under -m titan_upipe.train"
-        )
+def config_warnings(job_config) -> list[str]:
+    """Settings that run under ``-m titan_upipe.train`` but not under every launch.
+
+    ``custom_import = "titan_upipe"`` registered the plugin while importing the package did; now
+    it registers nothing, so ``-m torchtitan.train`` would fail to find the train specs (before
+    any check of ours runs). ``titan_upipe.validate`` prints these."""
+    if getattr(job_config.experimental, "custom_import", "") == "titan_upipe":
+        return [f"experimental.custom_import = 'titan_upipe' no longer registers the plugin (importing the package "
+                f"has no side effects): -m torchtitan.train needs {PLUGIN_IMPORT!r}; -m titan_upipe.train "
+                "registers it either way"]
+    return []
 
 
 JOB_CHECKS = (
-    lambda job_config, world_size: check_custom_import(job_config.experimental),
     lambda job_config, world_size: check_supported_parallelism(job_config.parallelism),
     lambda job_config, world_size: check_world_size(job_config.parallelism, world_size),
     lambda job_config, world_size: check_context_parallel(job_config),

@@ -518,7 +518,7 @@ def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = 
                           + "; ".join(f"{n}: {w}" for n, w in passed_over))
     if setting not in BACKENDS:
         raise ConfigError(f"unknown attention backend {setting!r}: valid backends are "
-                          f"{', '.join((AUTO, *BACKENDS))}")
+                          f"{', '.join(BACKEND_SETTINGS)}")
     why = _problem(BACKENDS[setting], dtype, ring, probe)
     if why is not None:
         raise ConfigError(f"attention backend {setting!r} is not usable here: {why}")

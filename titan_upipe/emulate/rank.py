@@ -102,10 +102,7 @@ def build_rank_model(job_config, parallel_dims: ParallelDims, device: torch.devi
 
 def build_loss_fn(spec: TrainSpec, job_config, parallel_dims: ParallelDims) -> Callable:
     """The spec's loss, called as the trainer calls its builder."""
-    try:
-        return spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
-    except TypeError:  # a loss builder without the trainer's keyword
-        return spec.build_loss_fn(job_config)
+    return spec.build_loss_fn(job_config, parallel_dims=parallel_dims)
 
 
 def is_layer_parameter(name: str) -> bool:

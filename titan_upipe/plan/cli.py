@@ -13,6 +13,7 @@ import json
 import sys
 from dataclasses import asdict, replace
 
+from titan_upipe.attention.backends import BACKENDS
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput
 from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--model only: offload buffers pinned, pageable, or pinned when they fit (auto)")
     # No "auto" here: a TOML's auto is planned as PLAN_AUTO_BACKEND.
     parser.add_argument("--attention-backend", default="flash_attn3",
-                        choices=["sdpa", "math", "flash_attn", "flash_attn3", "flash_attn4"],
+                        choices=list(BACKENDS),
                         help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
     parser.add_argument("--no-transforms", action="store_true",
                         help="--model only: full AC without offload and no tiling/fusing")

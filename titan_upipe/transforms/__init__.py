@@ -10,4 +10,7 @@ docs/transforms.md.
 
 from titan_upipe.transforms.offload import OFFLOAD_STATS, offloaded_host_bytes
 
-__all__ = ["OFFLOAD_STATS", "offloaded_host_bytes"]
+TRANSFORM_NAMES = ("tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce")
+"""The memory transforms' model-converter names (``titan_upipe.converters`` maps each to its class)."""
+
+__all__ = ["OFFLOAD_STATS", "TRANSFORM_NAMES", "offloaded_host_bytes"]
