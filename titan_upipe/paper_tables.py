@@ -14,6 +14,8 @@ from pathlib import Path
 
 PAPER_TABLES_CSV = Path(__file__).resolve().parents[1] / "docs" / "data" / "paper_tables.csv"
 LENGTH_COLUMNS = ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M")
+OOM = "OOM"
+"""A cell whose run went out of memory."""
 
 
 @functools.cache
@@ -23,13 +25,18 @@ def paper_rows(path: Path = PAPER_TABLES_CSV) -> tuple[dict[str, str], ...]:
         return tuple(csv.DictReader(f))
 
 
+def cell_value(cell: str) -> float | None:
+    """A non-empty cell's number, None for ``OOM``; ValueError for anything else."""
+    return None if cell == OOM else float(cell)
+
+
 def paper_value(table: str, model: str, method: str, metric: str, length: str,
                 path: Path = PAPER_TABLES_CSV) -> float | None:
-    """One cell (None where empty or OOM)."""
+    """One cell (None where empty, OOM or not a number)."""
     for row in paper_rows(path):
         if (row["table"], row["model"], row["method"], row["metric"]) == (table, model, method, metric):
             try:
-                return float(row.get(length) or "")
+                return cell_value(row.get(length) or "")
             except ValueError:
                 return None
     return None

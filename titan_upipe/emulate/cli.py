@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.emulate.rank import rank_device
-from titan_upipe.paper_tables import PAPER_TABLES_CSV, paper_rows
+from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.registry import register_plugin
 from titan_upipe.train import parse_config
@@ -143,12 +143,13 @@ def _paper_values(path: str) -> dict[tuple[str, str, str], float]:
     for row in paper_rows(Path(path)):
         if row["model"] != "llama3_8b" or row["table"] not in ("4", "5"):
             continue
-        for key, cell in row.items():
-            if key[0].isdigit() and cell not in ("", None):
+        for key in LENGTH_COLUMNS:
+            if row.get(key):
                 try:
-                    values[(row["method"], row["metric"], key)] = float(cell)
-                except ValueError:  # "OOM"
-                    values[(row["method"], row["metric"], key)] = float("nan")
+                    value = cell_value(row[key])
+                except ValueError:  # not a number: shown like an OOM
+                    value = None
+                values[(row["method"], row["metric"], key)] = math.nan if value is None else value
     return values
 
 

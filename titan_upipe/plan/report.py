@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, paper_rows
+from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
@@ -97,8 +97,7 @@ def paper_table4(model: str) -> dict[str, dict[int, float | None]] | None:
     for row in paper_rows(PAPER_TABLES_CSV):  # this module's name: tests point it elsewhere
         if row["table"] != "4" or row["model"] != model:
             continue
-        rows[row["method"]] = {parse_length(key): None if row[key] == "OOM" else float(row[key])
-                               for key in LENGTH_COLUMNS if row.get(key, "")}
+        rows[row["method"]] = {parse_length(key): cell_value(row[key]) for key in LENGTH_COLUMNS if row.get(key, "")}
     return rows
 
 
