@@ -1,12 +1,11 @@
 """Embedded tokenizer and synthetic data: deterministic, rank-invariant, TorchTitan-compatible."""
 
-import itertools
-
 import numpy as np
 import torch
 
 from titan_upipe.data import tokenizer as vocab
-from titan_upipe.data.synthetic import SyntheticCopyDataset, copy_sample, copy_text
+from titan_upipe.data.loader import GlobalBatchLoader
+from titan_upipe.data.synthetic import SyntheticCopyStream, copy_sample, copy_text
 
 
 def test_copy_sample_is_deterministic_and_repeats_its_segment():
@@ -19,28 +18,16 @@ def test_copy_sample_is_deterministic_and_repeats_its_segment():
     assert len(seps) >= 2 and np.array_equal(a[1:period + 1], a[period + 1: 2 * period + 1])
 
 
-def _first_batches(world: int, batch: int, steps: int) -> list[set[int]]:
-    ranks = [SyntheticCopyDataset(64, batch, r, world) for r in range(world)]
-    out = []
-    for step in range(steps):
-        out.append({ds.global_index(step * batch + j) for ds in ranks for j in range(batch)})
-    return out
-
-
-def test_global_batch_is_the_same_for_any_data_parallel_degree():
-    assert _first_batches(1, 4, 3) == _first_batches(2, 2, 3) == _first_batches(4, 1, 3)
-    assert _first_batches(1, 4, 2) != _first_batches(1, 2, 2)
-
-
-def test_dataset_yields_shifted_input_label_pairs_and_resumes():
-    ds = SyntheticCopyDataset(seq_len=32, local_batch_size=2, dp_rank=1, dp_world_size=2)
-    first = list(itertools.islice(iter(ds), 3))
-    (inp, label) = first[0][0]["input"], first[0][1]
-    assert inp.shape == label.shape == (32,) and torch.equal(inp[1:], label[:-1])
-    state = ds.state_dict()
-    resumed = SyntheticCopyDataset(32, 2, 1, 2)
-    resumed.load_state_dict(state)
-    assert torch.equal(next(iter(resumed))[0]["input"], next(iter(ds))[0]["input"])
+def test_loader_yields_shifted_input_label_pairs_and_resumes():
+    loader = GlobalBatchLoader(SyntheticCopyStream(32), local_batch_size=2, dp_rank=1, dp_world_size=2)
+    batches = iter(loader)
+    inputs, labels = next(batches)
+    assert inputs["input"].shape == labels.shape == (2, 32) and torch.equal(inputs["input"][:, 1:], labels[:, :-1])
+    # rank 1 of 2 with 2 sequences each: samples 2 and 3 of the global stream
+    assert torch.equal(labels[0], torch.from_numpy(copy_sample(2, 32)[1:]))
+    resumed = GlobalBatchLoader(SyntheticCopyStream(32), 2, 1, 2)
+    resumed.load_state_dict(loader.state_dict())
+    assert torch.equal(next(iter(resumed))[0]["input"], next(batches)[0]["input"])
 
 
 def test_embedded_tokenizer_round_trips_through_torchtitan():

@@ -17,7 +17,7 @@ from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKEND
 from titan_upipe.errors import ConfigError
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
-__all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig",
+__all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
            "Transforms", "UPipe"]
 
 
@@ -111,9 +111,28 @@ class ActivationCheckpointOffload:
 
 
 @dataclass
+class LocalData:
+    """The files of ``training.dataset = "local_text"`` (``titan_upipe.data.local_text``)."""
+
+    paths: list[str] = field(default_factory=list)
+    """Glob patterns of .jsonl / .parquet / .txt files (``**`` recurses; relative to the launch
+    directory). Every match is read, in sorted order; each pattern must match a file."""
+
+    text_key: str = "text"
+    """The JSON key / Parquet column holding a document's text (.txt files are one document each)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.paths, list) and all(isinstance(p, str) and p for p in self.paths),
+                 "local_data.paths", self.paths, "a list of glob patterns, e.g. [\"/data/books/*.jsonl\"]")
+        _require(isinstance(self.text_key, str) and bool(self.text_key), "local_data.text_key", self.text_key,
+                 "a non-empty key name")
+
+
+@dataclass
 class JobConfig:
     """Sections this plugin adds to TorchTitan's ``JobConfig``."""
 
     upipe: UPipe = field(default_factory=UPipe)
     transforms: Transforms = field(default_factory=Transforms)
     activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)
+    local_data: LocalData = field(default_factory=LocalData)

@@ -24,6 +24,8 @@ memory/peak_allocated_gib      peak allocated bytes on the device (GiB)
 memory/peak_reserved_gib       peak reserved bytes (caching allocator) (GiB)
 memory/alloc_retries           cudaMalloc retries (allocator under pressure)
 memory/offload_host_gib        peak host memory held by offloaded checkpoints
+data/documents, data/doc_*     documents read since the last log and their lengths in tokens
+data/tokens_in_docs_ge_*_pct   share of tokens in long documents (``local_text`` only)
 ============================== ==============================================
 
 On CPU (``titan_upipe.cpu_runtime``) the device statistics are the process's resident set.
@@ -31,9 +33,11 @@ On CPU (``titan_upipe.cpu_runtime``) the device statistics are the process's res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
+from torchtitan.tools.logging import logger
 
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.transforms.offload import OFFLOAD_STATS
@@ -59,6 +63,11 @@ CUSTOM_SCALARS_LAYOUT = {
         "allocator retries": ("Multiline", ["memory/alloc_retries"]),
         "offload host GiB": ("Multiline", ["memory/offload_host_gib"]),
     },
+    "Data": {
+        "document tokens": ("Multiline", ["data/doc_tokens_p50", "data/doc_tokens_p90", "data/doc_tokens_max"]),
+        "% tokens in long documents": ("Multiline", ["data/tokens_in_docs_ge_32k_pct",
+                                                     "data/tokens_in_docs_ge_seq_len_pct"]),
+    },
 }
 
 
@@ -81,6 +90,8 @@ class LongContextMetricsProcessor(MetricsProcessor):
 
     def __init__(self, job_config, parallel_dims, model_args=None, tag: str | None = None) -> None:
         self._set_flops_model(job_config, model_args)
+        self.document_stats: Callable[[], dict[str, float]] | None = None
+        """Set by the trainer when its loader reports document lengths (``data/…`` tags)."""
         super().__init__(job_config, parallel_dims, tag)
         self._write_custom_scalars_layout()
         self._write_attention_backend(job_config)
@@ -126,8 +137,19 @@ class LongContextMetricsProcessor(MetricsProcessor):
             extra_metrics: dict[str, Any] | None = None) -> None:
         extra = dict(extra_metrics or {})
         extra.update(self.long_context_metrics(global_avg_loss))
+        if self.document_stats is not None:
+            extra.update(self._document_metrics())
         OFFLOAD_STATS.peak_host_bytes = OFFLOAD_STATS.host_bytes  # a new window starts after this log
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+    def _document_metrics(self) -> dict[str, float]:
+        data = self.document_stats()
+        if data:
+            logger.info("data: {:.0f} documents since the last log, tokens p50 {:.0f} p90 {:.0f} max {:.0f}; "
+                        "{:.1f}% of tokens in documents >= seq_len".format(
+                            data["data/documents"], data["data/doc_tokens_p50"], data["data/doc_tokens_p90"],
+                            data["data/doc_tokens_max"], data["data/tokens_in_docs_ge_seq_len_pct"]))
+        return data
 
     def long_context_metrics(self, global_avg_loss: float) -> dict[str, float]:
         """The grouped tags, from the same counters TorchTitan's own ``log`` reads next."""

@@ -16,7 +16,7 @@ import dataclasses
 
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from titan_upipe.data import synthetic
+from titan_upipe.data import builders
 from titan_upipe.flavors import BASE_MODELS, model_flavors
 from titan_upipe.loss import build_loss_fn
 from titan_upipe.metrics import build_metrics_processor
@@ -30,8 +30,8 @@ def _derived_spec(name: str) -> TrainSpec:
         model_args=copy.deepcopy(model_flavors(name)),
         parallelize_fn=parallelize,
         pipelining_fn=None,
-        build_dataloader_fn=synthetic.build_dataloader,
-        build_tokenizer_fn=synthetic.build_tokenizer,
+        build_dataloader_fn=builders.build_dataloader,
+        build_tokenizer_fn=builders.build_tokenizer,
         build_loss_fn=build_loss_fn,
         build_metrics_processor_fn=build_metrics_processor,
     )

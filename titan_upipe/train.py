@@ -3,7 +3,7 @@
 It differs from ``python -m torchtitan.train`` in three ways: the plugin's config
 sections (``[upipe]`` …) are always part of the schema, even when neither the
 TOML nor the CLI names ``job.custom_config_module``; the job is validated before
-any process group starts (``validation.check_job``); and context-parallel inputs
+any process group starts (``validation.check_job``, and its files: ``job_assets.check_assets``); and context-parallel inputs
 are sharded in the plugin's layout (``trainer.ContextParallelTrainer``, otherwise
 TorchTitan's ``Trainer`` unchanged).
 """
@@ -18,6 +18,7 @@ import torch
 from torchtitan.config import ConfigManager
 from torchtitan.tools.logging import init_logger, logger
 
+from titan_upipe.job_assets import check_assets
 from titan_upipe.registry import CONFIG_MODULE, register_plugin
 from titan_upipe.trainer import ContextParallelTrainer
 from titan_upipe.validation import check_job
@@ -59,6 +60,7 @@ def main(args: list[str] | None = None) -> None:
     init_logger()
     config = parse_config(sys.argv[1:] if args is None else args)
     check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_assets(config)
     trainer = None
     completed = False
     try:

@@ -22,6 +22,13 @@ from titan_upipe.parallel.cp_layout import CP_MODES
 
 
 class ContextParallelTrainer(Trainer):
+    def __init__(self, job_config) -> None:
+        super().__init__(job_config)
+        # Document lengths of a packed corpus go to TensorBoard with the other metrics.
+        take_stats = getattr(self.dataloader, "take_document_stats", None)
+        if take_stats is not None and hasattr(self.metrics_processor, "document_stats"):
+            self.metrics_processor.document_stats = take_stats
+
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:

@@ -3,8 +3,12 @@
 Parses the TOML (plus any ``--section.key value`` overrides) exactly as the trainer
 does, runs every job-level check that ``titan_upipe.train`` runs before starting process
 groups, and prints either the resolved layout (mode, degrees, U, tokens per rank) or every
-problem found, each naming the setting and its valid choices. Exit code 0 when the job can
-run, 1 when it cannot, 2 on usage errors. Needs no GPU and starts no processes.
+problem found, each naming the setting and its valid choices. It also checks the job's files
+(``titan_upipe.job_assets``: tokenizer, dataset, weights, checkpoints) and, for offloaded
+activations and async checkpoints, that a node's host memory holds them (the planner's
+figure against ``--host-mem`` or this machine's available memory); ``--no-assets`` skips both,
+to check a recipe's layout away from its data. Exit code 0 when the job can run, 1 when it
+cannot, 2 on usage errors. Needs no GPU and starts no processes.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from titan_upipe import validation
+from titan_upipe import job_assets, validation
 from titan_upipe.errors import ConfigError
+from titan_upipe.plan.job_config import plan_from_job_config
 from titan_upipe.registry import register_plugin
 from titan_upipe.train import parse_config
+
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,61 @@ def find_problems(job_config, world_size: int) -> list[str]:
     return problems
 
 
+def asset_problems(job_config) -> list[str]:
+    """Every problem the asset checks find."""
+    problems: list[str] = []
+    for check in job_assets.ASSET_CHECKS:
+        try:
+            check(job_config)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def available_host_memory() -> int | None:
+    """``MemAvailable`` of this machine (bytes), where ``/proc/meminfo`` exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+ASYNC_STATE_BYTES_PER_PARAM = 12
+"""An async checkpoint stages each rank's shard of the fp32 parameters and both AdamW moments
+in host memory (4 + 4 + 4 bytes per parameter)."""
+
+
+def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
+    """(bytes of host memory one node needs, what they are): the planner's offloaded block inputs
+    plus an async checkpoint's staged state."""
+    result = plan_from_job_config(job_config, world_size)
+    ranks_per_node = min(result.job.ranks, result.job.gpus_per_node)
+    parts = {"offloaded activations": result.host_bytes}
+    if job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled":
+        state = ASYNC_STATE_BYTES_PER_PARAM * result.job.model.total_params // result.job.fsdp
+        parts["async checkpoint staging"] = state * ranks_per_node
+    what = " + ".join(f"{name} {size / GIB:.1f} GiB" for name, size in parts.items() if size)
+    return sum(parts.values()), what
+
+
+def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None, source: str) -> str | None:
+    if host_mem_bytes is None or not getattr(job_config.activation_checkpoint, "cpu_offload", False) and (
+            not job_config.checkpoint.enable or job_config.checkpoint.async_mode == "disabled"):
+        return None
+    try:
+        needed, what = host_memory_needed(job_config, world_size)
+    except ValueError:  # a setting the planner does not model: nothing to compare
+        return None
+    if needed <= host_mem_bytes:
+        return None
+    return (f"a node needs {needed / GIB:.1f} GiB of host memory ({what}) but {source} has {host_mem_bytes / GIB:.1f} "
+            "GiB: set activation_checkpoint.pin_memory = false (pageable buffers are not rounded up), use more "
+            "nodes (fewer tokens per rank), set checkpoint.async_mode = \"disabled\", or pass --host-mem GIB "
+            "when validating away from the compute nodes")
+
+
 def summarize(job_config, world_size: int) -> LayoutSummary:
     """The resolved layout of a job the checks accepted (``validation.cp_layout``)."""
     n_heads, n_kv_heads = validation.model_heads(job_config)
@@ -84,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the TOML file to check")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks the job will run on (default: the product of the configured degrees)")
+    parser.add_argument("--host-mem", type=float, default=None,
+                        help="host memory of a compute node in GiB (default: this machine's available memory)")
+    parser.add_argument("--no-assets", action="store_true",
+                        help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
     args, overrides = parser.parse_known_args(argv)
     register_plugin()
     try:
@@ -95,7 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     if world_size is None:
         parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
     problems = find_problems(job_config, world_size)
-    for warning in validation.config_warnings(job_config):
+    warnings = validation.config_warnings(job_config)
+    if not args.no_assets:
+        problems += asset_problems(job_config)
+        host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None
+                            else (available_host_memory(), "this machine"))
+        if not problems and (problem := host_memory_problem(job_config, world_size, host_mem, source)):
+            problems.append(problem)
+        warnings += job_assets.asset_warnings(job_config)
+    for warning in warnings:
         print(f"{args.config}: warning: {warning}")
     if problems:
         print(f"{args.config}: {len(problems)} problem(s) for {world_size} ranks:")

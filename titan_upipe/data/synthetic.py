@@ -18,13 +18,9 @@ attention across the whole context, across context-parallel shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
 
 from titan_upipe.data import tokenizer as vocab
 
@@ -67,38 +63,28 @@ def copy_text(index: int, seq_len: int = 2048) -> str:
     return " ".join(words)
 
 
-class SyntheticCopyDataset(IterableDataset, Stateful):
-    """This data-parallel rank's stream of ``(input, label)`` samples.
+class SyntheticCopyStream:
+    """The samples ``copy_sample(0), copy_sample(1), …`` as a
+    :class:`~titan_upipe.data.loader.SampleStream`: its state is the next index."""
 
-    Rank ``r`` of ``W`` with local batch ``B`` takes global indices
-    ``(b * W + r) * B + j`` for blocks ``b = 0, 1, …`` and ``j < B``: step ``b``'s
-    global batch is indices ``[b*W*B, (b+1)*W*B)`` whatever ``W`` is.
-    """
-
-    def __init__(self, seq_len: int, local_batch_size: int, dp_rank: int, dp_world_size: int,
-                 seed: int = _DEFAULT_SEED) -> None:
+    def __init__(self, seq_len: int, seed: int = _DEFAULT_SEED) -> None:
         self.seq_len = seq_len
-        self.local_batch_size = local_batch_size
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
         self.seed = seed
-        self._position = 0  # samples this rank has produced
+        self.index = 0
 
-    def global_index(self, position: int) -> int:
-        block, offset = divmod(position, self.local_batch_size)
-        return (block * self.dp_world_size + self.dp_rank) * self.local_batch_size + offset
+    def next_sample(self) -> np.ndarray:
+        sample = copy_sample(self.index, self.seq_len, self.seed)
+        self.index += 1
+        return sample
 
-    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        while True:
-            tokens = torch.from_numpy(copy_sample(self.global_index(self._position), self.seq_len, self.seed))
-            self._position += 1
-            yield {"input": tokens[:-1]}, tokens[1:]
+    def skip_samples(self, count: int) -> None:
+        self.index += count
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self._position}
+        return {"index": self.index}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._position = int(state_dict["position"])
+        self.index = int(state_dict["index"])
 
 
 def _load_copy_documents(path: str):
@@ -124,27 +110,3 @@ def register_with_torchtitan() -> None:
         "synthetic_copy",
         DatasetConfig(path="synthetic_copy", loader=_load_copy_documents, sample_processor=lambda s: s["text"]),
     )
-
-
-def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, infinite: bool = True):
-    """Train-spec dataloader: index-addressed synthetic data, or TorchTitan's text pipeline."""
-    from dataclasses import asdict
-
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
-
-    training = job_config.training
-    if training.dataset not in SYNTHETIC_DATASETS:
-        return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite)
-    dataset = SyntheticCopyDataset(training.seq_len, training.local_batch_size, dp_rank, dp_world_size)
-    kwargs = {**asdict(training.dataloader), "batch_size": training.local_batch_size}
-    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
-
-
-def build_tokenizer(job_config):
-    """The synthetic datasets bring their own vocabulary; real data uses ``model.hf_assets_path``."""
-    from torchtitan.components.tokenizer import build_hf_tokenizer
-
-    if job_config.training.dataset in SYNTHETIC_DATASETS:
-        return vocab.build_embedded_tokenizer()
-    return build_hf_tokenizer(job_config)

@@ -1,0 +1,48 @@
+"""The train specs' data builders: which tokenizer and which loader ``training.dataset`` names.
+
+=================== ================================ ==========================================
+``dataset``         tokenizer                        loader
+=================== ================================ ==========================================
+``synthetic_copy``  embedded (no files)              :class:`~titan_upipe.data.loader.GlobalBatchLoader`
+``local_text``      HF, ``model.hf_assets_path``     :class:`~titan_upipe.data.loader.GlobalBatchLoader`
+anything else       HF, ``model.hf_assets_path``     TorchTitan's text pipeline (HF hub datasets)
+=================== ================================ ==========================================
+
+The two plugin datasets checkpoint one global cursor, so a run resumes under another
+data-parallel or CP degree (``titan_upipe.data.loader``); TorchTitan's pipeline does not.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from titan_upipe.data import tokenizer as vocab
+from titan_upipe.data.loader import GlobalBatchLoader
+from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, LocalTextStream, expand_paths
+from titan_upipe.data.synthetic import SYNTHETIC_DATASETS, SyntheticCopyStream
+
+PLUGIN_DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, infinite: bool = True):
+    training = job_config.training
+    if training.dataset not in PLUGIN_DATASETS:
+        from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+        return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite)
+    if training.dataset == LOCAL_TEXT_DATASET:
+        local = job_config.local_data
+        stream = LocalTextStream(expand_paths(local.paths), partial(tokenizer.encode, add_bos=True, add_eos=True),
+                                 training.seq_len, local.text_key)
+    else:
+        stream = SyntheticCopyStream(training.seq_len)
+    return GlobalBatchLoader(stream, training.local_batch_size, dp_rank, dp_world_size)
+
+
+def build_tokenizer(job_config):
+    """The synthetic datasets bring their own vocabulary; real data uses ``model.hf_assets_path``."""
+    from torchtitan.components.tokenizer import build_hf_tokenizer
+
+    if job_config.training.dataset in SYNTHETIC_DATASETS:
+        return vocab.build_embedded_tokenizer()
+    return build_hf_tokenizer(job_config)
