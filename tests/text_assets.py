@@ -54,3 +54,32 @@ def write_tokenizer(folder: Path) -> Path:
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
     return folder
+
+
+def hf_model(model_name: str = "upipe_llama3", flavor: str = "debug", seed: int = 0):
+    """A TorchTitan model of the flavor with seeded weights, and its train spec's HF adapter."""
+    import copy
+
+    import torch
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_upipe.flavors import model_flavors
+
+    args = copy.deepcopy(model_flavors(model_name)[flavor])
+    spec = get_train_spec(model_name)
+    torch.manual_seed(seed)
+    model = spec.model_cls(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model, spec.state_dict_adapter(args, None)
+
+
+def write_hf_weights(folder: Path, model_name: str = "upipe_llama3", flavor: str = "debug", seed: int = 0):
+    """The seeded model's weights as a Hugging Face ``model.safetensors`` in ``folder``; returns the model."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model, adapter = hf_model(model_name, flavor, seed)
+    hf = {k: v.contiguous() for k, v in adapter.to_hf(model.state_dict()).items()}
+    save_file(hf, str(folder / "model.safetensors"))
+    return model
