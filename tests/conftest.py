@@ -6,6 +6,7 @@ os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+from text_assets import text_job_overrides, write_corpus, write_hf_weights, write_tokenizer  # noqa: E402
 from trainer_utils import E2E_STEPS, create_seed_checkpoint, load_seed, torchrun  # noqa: E402
 
 from titan_upipe.registry import register_plugin  # noqa: E402
@@ -25,4 +26,25 @@ def llama3_one_rank(llama3_seed, tmp_path_factory):
     out = tmp_path_factory.mktemp("one_rank")
     torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", E2E_STEPS,
              "--training.local_batch_size", "4", *load_seed(llama3_seed))
+    return out
+
+
+@pytest.fixture(scope="session")
+def text_job_assets(tmp_path_factory):
+    """A local corpus, a BPE tokenizer and HF safetensors weights of the Llama3 debug flavor."""
+    root = tmp_path_factory.mktemp("text_job_assets")
+    write_corpus(root / "data")
+    write_tokenizer(root / "hf")
+    write_hf_weights(root / "hf")
+    return root
+
+
+@pytest.fixture(scope="session")
+def upipe_text_job(text_job_assets, tmp_path_factory):
+    """A training job as the GPU recipes run one, on 2 CPU ranks: UPipe CP=2 (backend ``auto``),
+    local text, HF weights, full checkpoints at steps 2 and 4; its dump folder. Shared by the
+    resume tests and the dashboard test."""
+    out = tmp_path_factory.mktemp("upipe_text_job")
+    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", out, *text_job_overrides(text_job_assets),
+             "--training.local_batch_size", "2", "--upipe.attention_backend", "auto")
     return out

@@ -25,9 +25,10 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 
 
 def _sections():
-    from titan_upipe.config import ActivationCheckpointOffload, Transforms, UPipe
+    from titan_upipe.config import ActivationCheckpointOffload, LocalData, Transforms, UPipe
 
-    return [("upipe", UPipe), ("transforms", Transforms), ("activation_checkpoint", ActivationCheckpointOffload)]
+    return [("upipe", UPipe), ("transforms", Transforms), ("activation_checkpoint", ActivationCheckpointOffload),
+            ("local_data", LocalData)]
 
 
 def _section_text(doc: str, section: str) -> str:
@@ -46,10 +47,12 @@ def _toml(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return str(value)
 
 
-@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint"])
+@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data"])
 def test_every_config_key_is_documented_with_its_default(section):
     doc = CONFIG_DOC.read_text()
     cls = dict(_sections())[section]
@@ -58,7 +61,8 @@ def test_every_config_key_is_documented_with_its_default(section):
         rows = [line for line in text.splitlines() if line.startswith(f"| `{field.name}`")]
         assert rows or f"`{section}.{field.name}`" in doc, f"{section}.{field.name} is not in docs/config.md"
         if rows:  # | key | type | default | valid values | meaning |
-            default = _toml(field.default)
+            value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            default = _toml(value)
             cell = rows[0].split("|")[3].strip()
             assert cell == f"`{default}`", f"{section}.{field.name}: documented default {cell}, the code's is {default}"
 

@@ -7,7 +7,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from trainer_utils import read_scalars, torchrun
+from trainer_utils import read_scalars
 
 from titan_upipe.metrics import (
     CUSTOM_SCALARS_LAYOUT,
@@ -73,18 +73,19 @@ def _plugin_values(run_dir: str, plugin: str) -> list[tuple[str, bytes]]:
     return values
 
 
-def test_dashboard_tags_of_a_upipe_run(tmp_path):
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", tmp_path, "--training.steps", "3",
-             "--upipe.attention_backend", "auto")
+def test_dashboard_tags_of_a_upipe_run(upipe_text_job):
+    """``conftest.upipe_text_job``: UPipe CP=2, backend auto, local text (so the Data group too),
+    batch 2 x 128 tokens, 4 steps."""
+    tmp_path = upipe_text_job
     scalars = read_scalars(tmp_path)
     final = {tag: values[-1][1] for tag, values in scalars.items()}
     expected = {tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags}
     assert expected <= set(final), sorted(expected - set(final))
-    assert [step for step, _ in scalars["throughput/step_time_s"]] == [1, 2, 3]
+    assert [step for step, _ in scalars["throughput/step_time_s"]] == [1, 2, 3, 4]
     assert final["throughput/tokens_per_s_per_gpu"] > 0 and final["throughput/step_time_s"] > 0
-    # tokens/s/GPU x step time = the tokens one rank processes per step: batch 2 x 512 / CP 2.
+    # tokens/s/GPU x step time = the tokens one rank processes per step: batch 2 x 128 / CP 2.
     tokens = final["throughput/tokens_per_s_per_gpu"] * final["throughput/step_time_s"]
-    assert math.isclose(tokens, 2 * 512 / 2, rel_tol=1e-6)
+    assert math.isclose(tokens, 2 * 128 / 2, rel_tol=1e-6)
     assert 0 < final["throughput/mfu_pct"] < 100
     # TorchTitan's own tflops tag uses the corrected (causal) FLOPs too.
     assert math.isclose(final["tflops"], final["throughput/tflops_per_gpu"], rel_tol=0.2)
@@ -96,7 +97,7 @@ def test_dashboard_tags_of_a_upipe_run(tmp_path):
     runs = sorted(glob.glob(str(tmp_path / "tb" / "*")))
     layouts = [payload for _, payload in _plugin_values(runs[-1], "custom_scalars")]
     assert len(layouts) == 1
-    assert all(name.encode() in layouts[0] for name in ("Loss", "Throughput", "Memory"))
+    assert all(name.encode() in layouts[0] for name in ("Loss", "Throughput", "Memory", "Data"))
     # The kernel "auto" resolved to, with why the faster ones were passed over (fp32 config).
     texts = dict(_plugin_values(runs[-1], "text"))
     choice = texts["upipe/attention_backend/text_summary"].decode()

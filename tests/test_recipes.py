@@ -65,18 +65,20 @@ def test_paper_setup_in_gpu_recipes():
     assert set(job_config.model.converters) == {"upipe", "tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce"}
 
 
-def test_validate_command(tmp_path):
+def test_validate_command(capsys):
+    """The ``python -m`` entry once (exit code and output), then the same ``main`` in-process."""
+    from titan_upipe import validate
+
     ok = subprocess.run([sys.executable, "-m", "titan_upipe.validate", "configs/debug/upipe.toml", "--world-size", "4"],
                         cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "OK for 4 ranks" in ok.stdout and "U = 4" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "titan_upipe.validate", "configs/debug/upipe.toml", "--world-size", "4",
-                          "--upipe.heads_per_stage", "3"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 1
-    assert "upipe.heads_per_stage=3" in bad.stdout and "valid values" in bad.stdout
-    wrong_world = subprocess.run([sys.executable, "-m", "titan_upipe.validate", "configs/debug/upipe.toml",
-                                  "--world-size", "6"], cwd=REPO, capture_output=True, text=True)
-    assert wrong_world.returncode == 1 and "world size 6" in wrong_world.stdout
+    config = str(REPO / "configs/debug/upipe.toml")
+    assert validate.main([config, "--world-size", "4", "--upipe.heads_per_stage", "3"]) == 1
+    bad = capsys.readouterr().out
+    assert "upipe.heads_per_stage=3" in bad and "valid values" in bad
+    assert validate.main([config, "--world-size", "6"]) == 1
+    assert "world size 6" in capsys.readouterr().out
 
 
 def test_offload_is_pinned_except_where_host_memory_is_short():
@@ -93,3 +95,19 @@ def test_offload_is_pinned_except_where_host_memory_is_short():
         if recipe.gpu:
             expected = gen_configs.offloaded_bytes_per_node(recipe) <= gen_configs.PINNED_OFFLOAD_LIMIT
             assert pinned(recipe.path) == expected, recipe.path
+
+
+def test_every_gpu_recipe_is_a_resumable_training_job():
+    """Local data, pretrained weights, full checkpoints (a model-only final save cannot be resumed)."""
+    import tomllib
+
+    for recipe in RECIPES:
+        if not recipe.gpu:
+            continue
+        with open(REPO / recipe.path, "rb") as f:
+            config = tomllib.load(f)
+        ckpt = config["checkpoint"]
+        assert ckpt["enable"] and ckpt["interval"] > 0 and ckpt["async_mode"] == "async", recipe.path
+        assert ckpt["keep_latest_k"] >= 2 and ckpt["last_save_model_only"] is False, recipe.path
+        assert ckpt["initial_load_in_hf"] and config["model"]["hf_assets_path"], recipe.path
+        assert config["training"]["dataset"] == "local_text" and config["local_data"]["paths"], recipe.path

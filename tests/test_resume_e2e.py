@@ -1,9 +1,10 @@
 """Training jobs through torchrun on gloo: local text, HF weights, checkpoints, resume on another layout.
 
-One reference run (Ulysses CP=2, data parallel 1, global batch 2) starts from a Hugging Face
-safetensors checkpoint, reads a local corpus and saves full checkpoints at steps 2 and 4.
-Resumed from its step 2 under the same layout, under zigzag ring attention, and as plain FSDP
-over 2 data-parallel ranks (CP 2 x DP 1 -> CP 1 x DP 2, the same global batch), each run's
+One reference run (UPipe CP=2, data parallel 1, global batch 2: ``conftest.upipe_text_job``)
+starts from a Hugging Face safetensors checkpoint, reads a local corpus and saves full
+checkpoints at steps 2 and 4. Resumed from its step 2 under the same layout, under zigzag ring
+attention (Ulysses 1 x ring 2), and as plain FSDP over 2 data-parallel ranks (CP 2 x DP 1 ->
+CP 1 x DP 2, the same global batch), each run's
 steps 3 and 4 must have the reference's losses: the same weights, optimizer state and samples.
 """
 
@@ -14,38 +15,24 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from text_assets import hf_model, write_corpus, write_hf_weights, write_tokenizer
+from text_assets import TEXT_JOB_SEQ, TEXT_JOB_STEPS, hf_model, text_job_overrides
 from trainer_utils import assert_losses_close, losses, read_scalars, torchrun
 
 from titan_upipe.data.local_text import LocalTextStream, expand_paths
 from titan_upipe.job_assets import check_resume_point, checkpoint_keys
 
-SEQ = 128
-STEPS = 4
-
-
-def job_overrides(assets) -> tuple[str, ...]:
-    return ("--training.dataset", "local_text", "--local_data.paths", str(assets / "data" / "*"),
-            "--model.hf_assets_path", str(assets / "hf"), "--training.seq_len", str(SEQ),
-            "--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--checkpoint.no_last_save_model_only", "--checkpoint.initial_load_in_hf")
+SEQ = TEXT_JOB_SEQ
+STEPS = TEXT_JOB_STEPS
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("job_assets")
-    write_corpus(root / "data")
-    write_tokenizer(root / "hf")
-    write_hf_weights(root / "hf")
-    return root
+def assets(text_job_assets):
+    return text_job_assets
 
 
 @pytest.fixture(scope="module")
-def reference(assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_ulysses.toml", out, *job_overrides(assets),
-             "--training.local_batch_size", "2")
-    return out
+def reference(upipe_text_job):
+    return upipe_text_job
 
 
 def resume_from_step_2(reference, out):
@@ -72,8 +59,9 @@ def test_reference_starts_from_the_hf_weights_on_the_local_data(assets, referenc
     with torch.no_grad():
         other = F.cross_entropy(random_start(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
     assert abs(other - expected) > 1e-3  # another initialisation is told apart
-    # Document statistics reach TensorBoard.
-    assert read_scalars(reference)["data/documents"][0][1] > 0
+    # Document statistics reach TensorBoard: every step reads the documents of 2 x 129 tokens.
+    documents = read_scalars(reference)["data/documents"]
+    assert [s for s, _ in documents] == [1, 2, 3, 4] and all(v > 0 for _, v in documents)
 
 
 def test_final_save_is_a_full_checkpoint_that_a_longer_run_resumes(reference):
@@ -84,7 +72,7 @@ def test_final_save_is_a_full_checkpoint_that_a_longer_run_resumes(reference):
 
 
 RESUMES = {
-    "same-layout": ("configs/debug/llama3_ulysses.toml", ("--training.local_batch_size", "2")),
+    "same-layout": ("configs/debug/llama3_upipe.toml", ("--training.local_batch_size", "2")),
     "ring": ("configs/debug/llama3_ring.toml", ("--training.local_batch_size", "2",
                                                 "--parallelism.context_parallel_degree", "2")),
     "cp1-dp2": ("configs/debug/llama3_fsdp.toml", ("--training.local_batch_size", "1")),
@@ -95,7 +83,7 @@ RESUMES = {
 def test_resume_from_step_2_continues_the_reference(assets, reference, tmp_path, name):
     config, overrides = RESUMES[name]
     resume_from_step_2(reference, tmp_path)
-    torchrun(2, "titan_upipe.train", config, tmp_path, *job_overrides(assets), *overrides)
+    torchrun(2, "titan_upipe.train", config, tmp_path, *text_job_overrides(assets), *overrides)
     assert [s for s, _ in read_scalars(tmp_path)["loss_metrics/global_avg_loss"]] == [3, 4]
     assert_losses_close(losses(tmp_path), losses(reference)[2:], rtol=1e-5)
     # Sensitive: the reference's steps differ from each other by far more than the tolerance.
@@ -114,7 +102,7 @@ def test_a_model_only_final_save_is_refused_before_training(reference, tmp_path)
     folder = tmp_path / "checkpoint"
     shutil.copytree(reference / "checkpoint" / "step-2", folder / "step-2")
     dcp.save({"tok_embeddings.weight": torch.zeros(4, 4)}, checkpoint_id=str(folder / "step-4"), no_dist=True)
-    job = parse_config(["--job.config_file", "configs/debug/llama3_ulysses.toml", "--job.dump_folder", str(tmp_path),
+    job = parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--job.dump_folder", str(tmp_path),
                         "--checkpoint.enable"])
     with pytest.raises(ConfigError, match=r"holds the model only.*--checkpoint.load_step N \(full: \[2\]\)"):
         check_resume_point(job)

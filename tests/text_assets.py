@@ -19,6 +19,18 @@ def documents(count: int, seed: int, min_words: int = 3, max_words: int = 120) -
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(count)]
 
 
+TEXT_JOB_SEQ = 128
+TEXT_JOB_STEPS = 4
+
+
+def text_job_overrides(assets: Path) -> tuple[str, ...]:
+    """A debug config turned into a recipe-like job: local text, HF weights, full checkpoints every 2 steps."""
+    return ("--training.dataset", "local_text", "--local_data.paths", str(assets / "data" / "*"),
+            "--model.hf_assets_path", str(assets / "hf"), "--training.seq_len", str(TEXT_JOB_SEQ),
+            "--training.steps", str(TEXT_JOB_STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
+            "--checkpoint.no_last_save_model_only", "--checkpoint.initial_load_in_hf")
+
+
 def write_corpus(folder: Path) -> dict[str, list[str]]:
     """Files of every supported type; returns each file's documents (in file order)."""
     import pyarrow as pa

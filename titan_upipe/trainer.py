@@ -1,4 +1,5 @@
-"""TorchTitan's ``Trainer`` with one change: how context-parallel inputs are sharded.
+"""TorchTitan's ``Trainer`` with two changes: how context-parallel inputs are sharded, and the
+loader's document-length statistics passed to the metrics (``data/…`` tags).
 
 Under CP, TorchTitan shards tokens, labels and positions head-tail for its ring
 attention. Our attention expects ``titan_upipe.parallel``'s layout (contiguous for

@@ -1,1 +1,1 @@
-"""Embedded data: a tokenizer and synthetic datasets that need no download."""
+"""Data: the embedded tokenizer and synthetic copy task, local text corpora, and the global-batch loader."""
