@@ -28,11 +28,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 # The embedded default: UPipe context parallelism (CP=2, U=C) + FSDP on 2 CPU gloo ranks,
-# ~30 steps of the synthetic copy task; TensorBoard logs in outputs/.
+# ~30 steps of the synthetic copy task. At the end the trainer logs the TensorBoard command for
+# the dump folder it used (RUN_ARGS="--job.dump_folder X" included).
 run: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
 		--job.config_file $(RUN_CONFIG) $(RUN_ARGS)
-	@echo "TensorBoard: $(BIN)/tensorboard --logdir outputs"
 
 # Benchmarks (not tests): results go to docs/benchmarks/ with device, date and command.
 # BENCH_ARGS passes options through, e.g. make bench-memory BENCH_ARGS="--device cuda --seq 65536".

@@ -2,7 +2,7 @@
 # Single-node titan_upipe training with torchrun.
 #
 #   NGPU=8 CONFIG=configs/llama3_8b/upipe_1m.toml scripts/run_train.sh
-#   NGPU=2 CONFIG=configs/debug/upipe.toml scripts/run_train.sh --training.steps 10   # CPU, gloo
+#   NGPU=2 CONFIG=configs/debug/llama3_ulysses.toml scripts/run_train.sh --training.steps 10   # CPU, gloo
 #
 # NGPU: ranks (default: the visible GPUs, or 2 on a machine without CUDA, which runs on CPU/gloo).
 # CONFIG: the TOML (default: the embedded CPU debug run). Extra arguments are TorchTitan

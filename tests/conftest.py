@@ -7,7 +7,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from text_assets import text_job_overrides, write_corpus, write_hf_weights, write_tokenizer  # noqa: E402
-from trainer_utils import E2E_STEPS, create_seed_checkpoint, load_seed, torchrun  # noqa: E402
+from trainer_utils import E2E_STEPS, create_seed_checkpoint, e2e_validation, load_seed, torchrun  # noqa: E402
 
 from titan_upipe.registry import register_plugin  # noqa: E402
 
@@ -22,10 +22,20 @@ def llama3_seed(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama3_one_rank(llama3_seed, tmp_path_factory):
-    """The reference: the plain model on 1 rank, fp32, batch 4, from ``llama3_seed``; its dump folder."""
+    """The reference: the plain model on 1 rank, fp32, batch 4, from ``llama3_seed``, validated
+    (``e2e_validation``); its dump folder."""
     out = tmp_path_factory.mktemp("one_rank")
     torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", E2E_STEPS,
-             "--training.local_batch_size", "4", *load_seed(llama3_seed))
+             "--training.local_batch_size", "4", *e2e_validation(), *load_seed(llama3_seed))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama3_two_ranks(llama3_seed, tmp_path_factory):
+    """The same global batch as plain FSDP over 2 data-parallel ranks of 2 sequences, validated."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    torchrun(2, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--training.steps", E2E_STEPS,
+             "--training.local_batch_size", "2", *e2e_validation(2), *load_seed(llama3_seed))
     return out
 
 

@@ -165,3 +165,40 @@ def test_relative_links_resolve(page):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
             broken.append(f"{target} (no heading #{anchor})")
     assert not broken, f"{page}: broken links {broken}"
+
+
+# ---------------------------------------------------------------------------- launch commands
+
+TORCHRUN = re.compile(r"--nproc[_-]per[_-]node[ =](\d+) -m titan_upipe\.train --job\.config_file (configs/debug/\w+\.toml)"
+                      r"((?: --[\w.-]+(?: [^\s`#-][^\s`]*)?)*)")
+RUN_TRAIN = re.compile(r"NGPU=(\d+) CONFIG=(configs/debug/\w+\.toml) scripts/run_train\.sh((?: --[\w.-]+(?: [^\s`#-]\S*)?)*)")
+MAKE_RUN = re.compile(r"make run RUN_CONFIG=(configs/debug/\w+\.toml) NPROC=(\d+)(?: RUN_ARGS=\"([^\"]*)\")?")
+
+
+def _cpu_launch_commands() -> set[tuple[str, int, tuple[str, ...]]]:
+    """(config, ranks, overrides) of every CPU training command the docs and scripts show: torchrun,
+    ``scripts/run_train.sh`` (its header too) and ``make run`` with a ``configs/debug`` file."""
+    commands = set()
+    for page in [*_markdown_files(), REPO / "scripts" / "run_train.sh"]:
+        text = re.sub(r"\s*\\\n\s*", " ", page.read_text())  # join continued shell lines
+        for ranks, config, rest in TORCHRUN.findall(text):
+            commands.add((config, int(ranks), tuple(rest.split())))
+        for ranks, config, rest in RUN_TRAIN.findall(text):
+            commands.add((config, int(ranks), tuple(rest.split())))
+        for config, ranks, rest in MAKE_RUN.findall(text):
+            commands.add((config, int(ranks), tuple(rest.split())))
+    return commands
+
+
+def test_documented_cpu_launch_commands_can_run():
+    """Each command's config, rank count and overrides pass every check the trainer makes before
+    starting (``validate --no-assets``): e.g. run_train.sh's header once showed a CP = 4 config
+    on 2 ranks."""
+    from titan_upipe.train import parse_config
+    from titan_upipe.validate import find_problems
+
+    commands = _cpu_launch_commands()
+    problems = {command: find_problems(parse_config(["--job.config_file", str(REPO / command[0]), *command[2]]),
+                                       command[1]) for command in sorted(commands)}
+    assert not any(problems.values()), {command: found for command, found in problems.items() if found}
+    assert len(commands) >= 6, commands  # the patterns still find the commands

@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 LAYERS = {
     "core": ("errors", "parallel", "attention", "transforms", "memory_tracker"),
     "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
-             "cpu_runtime", "data", "job_assets", "registry", "plugin", "train"),
+             "cp_inputs", "validator", "compile_parts",
+             "cpu_runtime", "data", "job_assets", "registry", "plugin", "train", "config_parse"),
     "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_wheels", "paper_tables"),
 }
 ORDER = {"core": 0, "glue": 1, "tools": 2}

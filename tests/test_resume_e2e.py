@@ -15,7 +15,14 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from text_assets import TEXT_JOB_SEQ, TEXT_JOB_STEPS, hf_model, text_job_overrides
+from text_assets import (
+    TEXT_JOB_SEQ,
+    TEXT_JOB_STEPS,
+    TEXT_VALIDATION_BATCH,
+    TEXT_VALIDATION_FILE,
+    hf_model,
+    text_job_overrides,
+)
 from trainer_utils import assert_losses_close, losses, read_scalars, torchrun
 
 from titan_upipe.data.local_text import LocalTextStream, expand_paths
@@ -64,6 +71,30 @@ def test_reference_starts_from_the_hf_weights_on_the_local_data(assets, referenc
     assert [s for s, _ in documents] == [1, 2, 3, 4] and all(v > 0 for _, v in documents)
 
 
+def test_validation_loss_is_the_saved_weights_loss_on_the_held_out_file(assets, reference):
+    """Validation after step 2 scores the step-2 checkpoint's weights on the first packed samples of
+    the held-out file, computed here from the checkpoint without the trainer, the loader or CP."""
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    model, _ = hf_model(seed=1)  # overwritten by the checkpoint
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(reference / "checkpoint" / "step-2"), no_dist=True)
+    model.load_state_dict(state)
+    tokenizer = HuggingFaceTokenizer(str(assets / "hf"))
+    stream = LocalTextStream([str(assets / "data" / TEXT_VALIDATION_FILE)],
+                             lambda text: tokenizer.encode(text, add_bos=True, add_eos=True), SEQ)
+    batch = torch.stack([torch.from_numpy(stream.next_sample()) for _ in range(TEXT_VALIDATION_BATCH)])
+    with torch.no_grad():
+        expected = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
+    validation = read_scalars(reference)["validation_metrics/loss"]
+    assert [s for s, _ in validation] == [1, 2, 4]
+    assert validation[1][1] == pytest.approx(expected, rel=1e-5)
+    assert abs(validation[2][1] - validation[1][1]) > 1e-3  # later weights score differently
+    # The token counter counts each global batch once (2 sequences of SEQ tokens), not once per CP rank.
+    assert read_scalars(reference)["n_tokens_seen"] == [(s, s * 2 * SEQ) for s in range(1, STEPS + 1)]
+
+
 def test_final_save_is_a_full_checkpoint_that_a_longer_run_resumes(reference):
     keys = checkpoint_keys(str(reference / "checkpoint" / f"step-{STEPS}"))
     assert {"optimizer", "train_state", "lr_scheduler", "dataloader"} <= {k.split(".")[0] for k in keys}
@@ -75,7 +106,9 @@ RESUMES = {
     "same-layout": ("configs/debug/llama3_upipe.toml", ("--training.local_batch_size", "2")),
     "ring": ("configs/debug/llama3_ring.toml", ("--training.local_batch_size", "2",
                                                 "--parallelism.context_parallel_degree", "2")),
-    "cp1-dp2": ("configs/debug/llama3_fsdp.toml", ("--training.local_batch_size", "1")),
+    # the same global batches: 2 ranks x 1 sequence (training and validation)
+    "cp1-dp2": ("configs/debug/llama3_fsdp.toml", ("--training.local_batch_size", "1",
+                                                   "--validation.local_batch_size", "1")),
 }
 
 
@@ -86,6 +119,11 @@ def test_resume_from_step_2_continues_the_reference(assets, reference, tmp_path,
     torchrun(2, "titan_upipe.train", config, tmp_path, *text_job_overrides(assets), *overrides)
     assert [s for s, _ in read_scalars(tmp_path)["loss_metrics/global_avg_loss"]] == [3, 4]
     assert_losses_close(losses(tmp_path), losses(reference)[2:], rtol=1e-5)
+    # Validation under the resumed layout scores the same weights: the reference's value at step 4.
+    resumed, ref_validation = (read_scalars(out)["validation_metrics/loss"] for out in (tmp_path, reference))
+    assert resumed[-1][0] == 4 and resumed[-1][1] == pytest.approx(ref_validation[-1][1], rel=1e-5)
+    # The token counter resumes where the checkpoint left it, under any layout.
+    assert read_scalars(tmp_path)["n_tokens_seen"] == [(3, 3 * 2 * SEQ), (4, 4 * 2 * SEQ)]
     # Sensitive: the reference's steps differ from each other by far more than the tolerance.
     ref = losses(reference)
     assert abs(ref[2] - ref[1]) > 1e-3 * abs(ref[1])

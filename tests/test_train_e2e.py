@@ -2,9 +2,11 @@
 
 import pytest
 from trainer_utils import (
+    E2E_SEQ,
     E2E_STEPS,
     assert_losses_close,
     create_seed_checkpoint,
+    e2e_validation,
     load_seed,
     losses,
     read_scalars,
@@ -14,12 +16,15 @@ from trainer_utils import (
 STEPS = E2E_STEPS
 
 
-def test_fsdp_two_ranks_matches_one_rank(llama3_seed, llama3_one_rank, tmp_path):
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", tmp_path, "--training.steps", STEPS,
-             "--training.local_batch_size", "2", *load_seed(llama3_seed))
+def test_fsdp_two_ranks_matches_one_rank(llama3_seed, llama3_one_rank, llama3_two_ranks, tmp_path):
     reference = losses(llama3_one_rank)
     assert len(reference) == int(STEPS)
-    assert_losses_close(losses(tmp_path), reference, rtol=1e-5)
+    assert_losses_close(losses(llama3_two_ranks), reference, rtol=1e-5)
+    assert_losses_close(losses(llama3_two_ranks, VALIDATION), losses(llama3_one_rank, VALIDATION), rtol=1e-5)
+    check_counters(llama3_two_ranks, local_batch=2, cp=1, data_parallel=2, plain_same_batches=llama3_two_ranks)
+    # Two batches of different samples: the worse one's mean is above the global mean.
+    assert all(m > a for m, a in zip(losses(llama3_two_ranks, "loss_metrics/global_max_loss"),
+                                     losses(llama3_two_ranks), strict=True))
     # The comparison is sensitive: a different global batch gives a different loss.
     assert abs(reference[0] - losses_of_other_batch(llama3_seed, tmp_path)[0]) > 1e-4
 
@@ -38,6 +43,7 @@ def test_tensorboard_has_loss_throughput_and_memory(llama3_one_rank):
                 "memory/max_active(GiB)", "time_metrics/end_to_end(s)"):
         assert [s for s, _ in scalars[tag]] == list(range(1, steps + 1)), tag
     assert all(0 < v < 20 for _, v in scalars["loss_metrics/global_avg_loss"])
+    check_counters(llama3_one_rank, local_batch=4, cp=1, data_parallel=1, plain_same_batches=llama3_one_rank)
     assert all(v > 0 for _, v in scalars["throughput(tps)"])
     # CPU memory comes from the process RSS: a live trainer holds well over 50 MiB, under 24 GiB.
     assert all(0.05 < v < 24 for _, v in scalars["memory/max_reserved(GiB)"])
@@ -52,29 +58,54 @@ def test_torchtitan_entry_point_with_custom_import(tmp_path):
 
 # --- context parallelism through the real trainer (UPipe core issue) -------------------------
 
+VALIDATION = "validation_metrics/loss"
+
 CP_CASES = [
-    # (config, ranks, overrides): every case has a global batch of 4 sequences like the 1-rank run
-    ("configs/debug/llama3_upipe.toml", 2, ("--training.local_batch_size", "4")),
-    ("configs/debug/llama3_ulysses.toml", 2, ("--training.local_batch_size", "4")),
+    # (config, ranks, CP degree, overrides): every case has a global batch of 4 sequences like the 1-rank run
+    ("configs/debug/llama3_ring.toml", 2, 2, ("--training.local_batch_size", "4",
+                                              "--parallelism.context_parallel_degree", "2")),
+    ("configs/debug/llama3_ulysses.toml", 2, 2, ("--training.local_batch_size", "4")),
     # C = 4 > 2 KV heads (K/V activations replicated), U = C = 4
-    ("configs/debug/llama3_upipe.toml", 4, ("--training.local_batch_size", "4",
-                                            "--parallelism.context_parallel_degree", "4")),
+    ("configs/debug/llama3_upipe.toml", 4, 4, ("--training.local_batch_size", "4",
+                                               "--parallelism.context_parallel_degree", "4")),
     # CP = 2 inside, data parallel 2 outside, U = 2C = 4
-    ("configs/debug/llama3_upipe.toml", 4, ("--training.local_batch_size", "2", "--upipe.heads_per_stage", "4")),
+    ("configs/debug/llama3_upipe.toml", 4, 2, ("--training.local_batch_size", "2", "--upipe.heads_per_stage", "4")),
     # USP: Ulysses 2 (inner) x zigzag ring 2 (outer), tokens/labels/positions sharded zigzag
-    ("configs/debug/llama3_usp.toml", 4, ("--training.local_batch_size", "4")),
+    ("configs/debug/llama3_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
     # UPipe inside USP: stages of U = 2 heads, each stage's attention a ring over 2
-    ("configs/debug/llama3_upipe_usp.toml", 4, ("--training.local_batch_size", "4")),
+    ("configs/debug/llama3_upipe_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
 ]
 
 
-@pytest.mark.parametrize("config, ranks, overrides", CP_CASES,
-                         ids=["upipe-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4", "usp-u2r2",
+@pytest.mark.parametrize("config, ranks, cp, overrides", CP_CASES,
+                         ids=["ring-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4", "usp-u2r2",
                               "upipe-in-usp-u2r2"])
-def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, tmp_path, config, ranks, overrides):
+def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, llama3_two_ranks, tmp_path, config, ranks,
+                                           cp, overrides):
+    """Training and validation losses of every CP layout equal one rank's, and the counters
+    count each global batch once (UPipe CP2 itself: conftest.upipe_text_job)."""
     torchrun(ranks, "titan_upipe.train", config, tmp_path, "--training.steps", STEPS, *overrides,
-             *load_seed(llama3_seed))
+             *e2e_validation(ranks // cp), *load_seed(llama3_seed))
     assert_losses_close(losses(tmp_path), losses(llama3_one_rank), rtol=1e-5)
+    assert [s for s, _ in read_scalars(tmp_path)[VALIDATION]] == [1, 2, 4]
+    assert_losses_close(losses(tmp_path, VALIDATION), losses(llama3_one_rank, VALIDATION), rtol=1e-5)
+    check_counters(tmp_path, local_batch=int(overrides[1]), cp=cp, data_parallel=ranks // cp,
+                   plain_same_batches=llama3_one_rank if ranks == cp else llama3_two_ranks)
+
+
+def check_counters(out, local_batch: int, cp: int, data_parallel: int, plain_same_batches) -> None:
+    """Against independent counts: the global batch per step, this rank's 1/C share per device,
+    and the max loss of a plain run over the same data-parallel batches."""
+    scalars = read_scalars(out)
+    steps = range(1, int(STEPS) + 1)
+    assert scalars["n_tokens_seen"] == [(s, s * local_batch * data_parallel * E2E_SEQ) for s in steps]
+    for (_, tps), (_, seconds) in zip(scalars["throughput(tps)"], scalars["time_metrics/end_to_end(s)"],
+                                      strict=True):  # log_freq 1: one step's tokens per device
+        assert tps * seconds == pytest.approx(local_batch * E2E_SEQ / cp, rel=1e-4)
+    max_loss = "loss_metrics/global_max_loss"
+    assert_losses_close(losses(out, max_loss), losses(plain_same_batches, max_loss), rtol=1e-5)
+    if data_parallel == 1:  # one batch per step: its mean is the max
+        assert_losses_close(losses(out, max_loss), losses(out), rtol=1e-6)
 
 
 def test_qwen3_upipe_matches_one_rank(tmp_path_factory):

@@ -24,13 +24,17 @@ def test_committed_cp_configs_are_valid_for_their_world_size():
     "overrides, world, message",
     [
         (("--model.converters", "upipe,ulysses"), 2, "several context-parallel"),
-        (("--model.converters", "float8"), 2, "needs a context-parallel attention converter"),
+        (("--model.converters", "tiled_mlp"), 2, "needs a context-parallel attention converter"),
         (("--parallelism.context_parallel_degree", "1"), 2, "set it to 2 or more"),
         (("--parallelism.context_parallel_degree", "3"), 3, r"valid CP degrees are \[1, 2, 4, 8\]"),
         (("--upipe.heads_per_stage", "3"), 2, r"valid values .* are 0 \(= 2\) or \[2, 4, 8\]"),
         (("--upipe.heads_per_stage", "6"), 2, "upipe.heads_per_stage=6"),
         (("--training.seq_len", "511"), 2, "training.seq_len = 511 is not divisible"),
-        ((), 3, r"do not match the world size 3: valid context_parallel_degree values for 3 ranks are \[1, 3\]"),
+        ((), 3, r"^3 ranks are not a multiple of context_parallel_degree 2: launch 2 or 4 ranks, or set "
+                r"context_parallel_degree to one of 1, 3$"),
+        (("--parallelism.data_parallel_shard_degree", "3"), 2,
+         r"^context_parallel_degree 2 x data_parallel_shard_degree 3 need 6 ranks, but 2 are launched: launch 6 "
+         r"ranks, or set data_parallel_shard_degree to 1 \(or -1"),
         (("--parallelism.tensor_parallel_degree", "2"), 4, "tensor_parallel_degree"),
         (("--model.flavor", "tiny"), 2, "valid values are"),
     ],
@@ -66,7 +70,8 @@ def test_committed_ring_and_usp_configs_are_valid():
         (USP, ("--upipe.ulysses_degree", "3"), 4, r"ulysses_degree = 3 does not divide .*context_parallel_degree = 4"),
         (USP, ("--parallelism.context_parallel_degree", "2"), 2, r"valid values are none"),
         (USP, ("--training.seq_len", "500"), 4, r"not divisible by 2 x ring x ulysses = 2 x 2 x 2 = 8"),
-        (USP, ("--parallelism.context_parallel_degree", "8"), 4, "do not match the world size 4"),
+        (USP, ("--parallelism.context_parallel_degree", "8"), 4, "^4 ranks are not a multiple of "
+                                                                 "context_parallel_degree 8: launch 8 ranks, or set"),
         # a Ulysses degree of 3 splits neither the 8 query heads nor the 2 KV heads
         (USP, ("--parallelism.context_parallel_degree", "6", "--upipe.ulysses_degree", "3"), 6,
          r"upipe.ulysses_degree 3 cannot split n_heads=8.*use upipe.ulysses_degree in \[2\]"),
@@ -93,3 +98,38 @@ def test_the_old_custom_import_value_is_a_validate_warning_naming_the_new_one(ca
     assert "warning: experimental.custom_import = 'titan_upipe'" in capsys.readouterr().out
     assert validate.main([UPIPE, "--world-size", "2"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+VALIDATION_ON = ("--validation.enable", "--validation.dataset", "synthetic_copy", "--validation.steps", "2",
+                 "--validation.seq_len", "512")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("--validation.seq_len", "1024"), r"validation.seq_len = 1024 exceeds training.seq_len = 512"),
+        (("--validation.seq_len", "255", "--training.seq_len", "512"), r"validation.seq_len = 255 is not divisible by 2"),
+        (("--validation.steps", "-1"), r"validation.steps = -1 reads 'synthetic_copy' until it ends.*never ends"),
+        (("--validation.dataset", "local_text"), "different tokenizers"),
+        (("--validation.dataset", "c4_validaton"), r"validation.dataset = 'c4_validaton' is unknown"),
+        (("--validation.local_batch_size", "0"), r"validation.local_batch_size = 0"),
+    ],
+)
+def test_invalid_validation_settings_are_refused_before_launch(overrides, message):
+    check_job(job(*VALIDATION_ON), world_size=2)  # the valid baseline
+    with pytest.raises(ConfigError, match=message):
+        check_job(job(*VALIDATION_ON, *overrides), world_size=2)
+
+
+def test_local_text_validation_needs_its_files(tmp_path):
+    text = ("--training.dataset", "local_text", "--validation.enable", "--validation.dataset", "local_text",
+            "--validation.steps", "1", "--validation.seq_len", "512")
+    with pytest.raises(ConfigError, match="needs validation.dataset_path"):
+        check_job(job(*text), world_size=2)
+    from titan_upipe.job_assets import check_dataset
+
+    missing = job(*text, "--validation.dataset_path", str(tmp_path / "*.jsonl"), "--local_data.paths",
+                  str(tmp_path / "*.txt"))
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(ConfigError, match=r"validation.dataset_path pattern .* matches no file"):
+        check_dataset(missing)

@@ -28,7 +28,20 @@ def text_job_overrides(assets: Path) -> tuple[str, ...]:
     return ("--training.dataset", "local_text", "--local_data.paths", str(assets / "data" / "*"),
             "--model.hf_assets_path", str(assets / "hf"), "--training.seq_len", str(TEXT_JOB_SEQ),
             "--training.steps", str(TEXT_JOB_STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
-            "--checkpoint.no_last_save_model_only", "--checkpoint.initial_load_in_hf")
+            "--checkpoint.no_last_save_model_only", "--checkpoint.initial_load_in_hf",
+            *text_validation_overrides(assets))
+
+
+TEXT_VALIDATION_FILE = "d.jsonl"
+TEXT_VALIDATION_BATCH = 2
+
+
+def text_validation_overrides(assets: Path) -> tuple[str, ...]:
+    """One validation batch of the file ``TEXT_VALIDATION_FILE`` after steps 2 and 4."""
+    return ("--validation.enable", "--validation.dataset", "local_text", "--validation.dataset_path",
+            str(assets / "data" / TEXT_VALIDATION_FILE), "--validation.seq_len", str(TEXT_JOB_SEQ),
+            "--validation.local_batch_size", str(TEXT_VALIDATION_BATCH), "--validation.steps", "1",
+            "--validation.freq", "2")
 
 
 def write_corpus(folder: Path) -> dict[str, list[str]]:

@@ -13,6 +13,18 @@ REPO = Path(__file__).resolve().parents[1]
 E2E_STEPS = "4"
 """Steps of the end-to-end trainer runs compared with the shared 1-rank reference (conftest)."""
 
+E2E_SEQ = 512
+"""``training.seq_len`` of the debug configs."""
+
+def e2e_validation(data_parallel: int = 1) -> tuple[str, ...]:
+    return ("--validation.enable", "--validation.dataset", "synthetic_copy", "--validation.seq_len", str(E2E_SEQ),
+            "--validation.local_batch_size", str(2 // data_parallel), "--validation.steps", "1",
+            "--validation.freq", "2")
+
+
+"""Held-out synthetic validation after steps 1, 2 and 4 of the end-to-end runs: one global batch
+of 2 sequences, whatever the data-parallel degree."""
+
 
 def torchrun(nproc: int, module: str, config: str, dump_folder: Path, *overrides: str,
              timeout: int = 600) -> subprocess.CompletedProcess:
@@ -52,8 +64,8 @@ def read_scalars(dump_folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def losses(dump_folder: Path) -> list[float]:
-    return [v for _, v in read_scalars(dump_folder)["loss_metrics/global_avg_loss"]]
+def losses(dump_folder: Path, tag: str = "loss_metrics/global_avg_loss") -> list[float]:
+    return [v for _, v in read_scalars(dump_folder)[tag]]
 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:

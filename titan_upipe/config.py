@@ -14,7 +14,7 @@ the valid choices: a bad value fails before any process group starts.
 from dataclasses import dataclass, field
 
 from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
-from titan_upipe.errors import ConfigError
+from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
@@ -24,6 +24,14 @@ __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
     if not ok:
         raise ConfigError(f"invalid {key} = {value!r}: valid values are {valid}")
+
+
+def _require_choice(value: object, key: str, choices: tuple[str, ...]) -> None:
+    """``value`` is one of ``choices``; otherwise a ConfigError listing them, with the closest
+    one for a typo (``sdpaa`` -> ``sdpa``)."""
+    if value not in choices:
+        raise ConfigError(with_suggestion(f"invalid {key} = {value!r}: valid values are {', '.join(choices)}",
+                                          value, choices))
 
 
 @dataclass
@@ -50,12 +58,7 @@ class UPipe:
             self.heads_per_stage,
             "0 (U = Ulysses degree) or a positive multiple of the Ulysses degree dividing n_heads",
         )
-        _require(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "upipe.attention_backend",
-            self.attention_backend,
-            ", ".join(ATTENTION_BACKENDS),
-        )
+        _require_choice(self.attention_backend, "upipe.attention_backend", ATTENTION_BACKENDS)
         _require(
             isinstance(self.ulysses_degree, int) and self.ulysses_degree >= 0,
             "upipe.ulysses_degree",
@@ -92,8 +95,7 @@ class Transforms:
         _require_tile(self.mlp_tile_tokens, "transforms.mlp_tile_tokens")
         _require_tile(self.rmsnorm_tile_tokens, "transforms.rmsnorm_tile_tokens")
         _require_tile(self.ce_chunk_tokens, "transforms.ce_chunk_tokens")
-        _require(self.ce_backend in KERNEL_BACKENDS, "transforms.ce_backend", self.ce_backend,
-                 ", ".join(KERNEL_BACKENDS))
+        _require_choice(self.ce_backend, "transforms.ce_backend", KERNEL_BACKENDS)
 
 
 @dataclass

@@ -63,32 +63,36 @@ class _ContextParallelAttentionConverter:
 
 
 class _LayoutCheck:
-    """Once, at the first forward: the tokens must be sharded in our layout.
+    """At every forward (training and validation): the tokens must be sharded in our layout.
 
-    TorchTitan's own trainer shards CP inputs head-tail (load balancing for its ring
-    attention); the Ulysses all-to-all and our zigzag ring would then join shards in the
+    TorchTitan's own trainer and validator shard CP inputs head-tail (load balancing for its
+    ring attention); the Ulysses all-to-all and our zigzag ring would then join shards in the
     wrong order and silently compute another sequence. ``titan_upipe.train`` shards in our
-    layout (contiguous or zigzag, whichever this mesh's attention expects).
+    layout (contiguous or zigzag, whichever this mesh's attention expects) for both. The check
+    compares ``S/C`` positions with the layout's (one host sync per forward, not per layer).
     """
 
     def __init__(self, cp_mesh) -> None:
         self.cp_mesh = cp_mesh
-        self.checked = False
+        self._expected: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def expected_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        key = (local_len, device)
+        if key not in self._expected:
+            layout = layout_for(self.cp_mesh, local_len * self.cp_mesh.size())
+            self._expected[key] = layout.positions(layout_rank(self.cp_mesh), device=device)
+        return self._expected[key]
 
     def __call__(self, module, args, kwargs):
-        if self.checked:
-            return None
         positions = kwargs.get("positions")
         tokens = args[0] if args else kwargs["tokens"]
         local_len = tokens.shape[-1]
-        layout = layout_for(self.cp_mesh, local_len * self.cp_mesh.size())
-        expected = layout.positions(layout_rank(self.cp_mesh), device=tokens.device)
+        expected = self.expected_positions(local_len, tokens.device)
         if positions is None or not torch.equal(positions.reshape(-1, local_len)[0].to(expected.dtype), expected):
             raise ConfigError(
                 "context-parallel inputs are not in titan_upipe's sequence layout: launch with "
-                "`-m titan_upipe.train` (TorchTitan's own trainer shards CP inputs head-tail)"
+                "`-m titan_upipe.train` (TorchTitan's own trainer and validator shard CP inputs head-tail)"
             )
-        self.checked = True
         return None
 
 

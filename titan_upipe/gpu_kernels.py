@@ -27,6 +27,7 @@ from torchtitan.models.llama3.model.model import Transformer
 from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
 from titan_upipe.attention.contract import ERROR_FACTOR, check_contract, contract_cases
+from titan_upipe.compile_parts import compile_parts
 from titan_upipe.transforms.fused_ce import (
     ChunkedLinearCrossEntropy,
     _liger_sum,
@@ -247,8 +248,54 @@ def parity_checks(device: str) -> list[dict]:
     return [_result("bf16_parity", f"llama3 debug, {kernels['attention']}, ce {kernels['ce']}", ok, detail)]
 
 
+# --- compile.enable on a model with context-parallel attention ----------------------------------
+
+
+def compile_checks(device: str) -> list[dict]:
+    """``compile.enable``'s path for converted models (``compile_parts``: norms and feed-forwards
+    compiled, UPipe attention eager on a 1-rank mesh), one bf16 step against the fp32 unconverted
+    model, within the error of the same converted model run eagerly in bf16. Inductor on CUDA; on
+    CPU ``aot_eager`` (inductor's first C++ build would dominate ``make test``)."""
+    compiler = "inductor" if device == "cuda" else "aot_eager"
+    reference = _debug_llama3(device)
+    eager = copy.deepcopy(reference)
+    for param in eager.parameters():  # parameters only, as FSDP's bf16 policy
+        param.data = param.data.to(torch.bfloat16)
+    compiled = copy.deepcopy(eager)
+    started_group = not dist.is_initialized()
+    try:
+        mesh = _one_rank_cp_mesh(device)
+        attention = choose_backend("auto", torch.bfloat16) if device == "cuda" else choose_backend("sdpa")
+        for model in (eager, compiled):
+            for block in model.layers.values():
+                block.attention = convert_attention(block.attention, "upipe", mesh, backend=attention.name,
+                                                    compute_dtype=torch.bfloat16)
+        parts = compile_parts(compiled, compiler)
+        gen = torch.Generator().manual_seed(2)
+        tokens, labels = (torch.randint(0, 512, (2, shapes_for(device).seq_len), generator=gen).to(device)
+                          for _ in range(2))
+
+        def step(model) -> dict[str, Tensor]:
+            loss = cross_entropy_loss(model(tokens), labels)
+            loss.backward()
+            return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+
+        ref = step(reference)
+        eager_errors = {n: _rel(t, ref[n]) for n, t in step(eager).items()}
+        errors = {n: _rel(t, ref[n]) for n, t in step(compiled).items()}
+    finally:
+        if started_group and dist.is_initialized():
+            dist.destroy_process_group()
+    ok, detail = _within(errors, eager_errors, torch.bfloat16)
+    expected_parts = 3 * len(reference.layers) + 1
+    if len(parts) != expected_parts:
+        ok, detail = False, f"{len(parts)} parts compiled, expected {expected_parts}: {detail}"
+    return [_result("compile", f"llama3 debug, {compiler}, {len(parts)} parts, attention {attention.name} eager",
+                    ok, detail)]
+
+
 CHECKS = {"contract": contract_checks, "fused_ce": fused_ce_checks, "offload_streams": offload_checks,
-          "bf16_parity": parity_checks}
+          "bf16_parity": parity_checks, "compile": compile_checks}
 
 
 def run_kernel_checks(device: str = "cuda") -> list[dict]:

@@ -15,7 +15,8 @@ kernels     the backend contract (``titan_upipe.attention.contract``) for every 
             bf16 and fp32; Liger's fused linear+CE against the chunked torch loss; the offloaded
             checkpoint's CUDA streams round trip (gradients bit-exact); one bf16 step of a debug model
             with every converter (UPipe on a 1-rank mesh, tiled MLP/RMSNorm, fused RoPE/CE, offloaded
-            AC) against the unconverted model
+            AC) against the unconverted model; one bf16 step of the UPipe model with ``compile.enable``'s
+            compiled norms and feed-forwards (inductor) against the same model eager
 memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
             C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
@@ -127,7 +128,8 @@ def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
 
     if stage == "kernels":
         return [Run("kernels", name, estimate_s=est) for name, est in
-                (("contract", 60), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60))]
+                (("contract", 60), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
+                 ("compile", 90))]
     if stage == "memory":
         # length-major: a call that covers the short lengths covers both methods there
         runs = [_llama_run("memory", method, length, stop_group=method)

@@ -6,7 +6,8 @@ what                        checked when
 tokenizer                   ``training.dataset`` is not synthetic: ``tokenizer.json`` (or
                             ``vocab.json``/``vocab.txt``) in ``model.hf_assets_path``
 dataset files               ``training.dataset = "local_text"``: every ``local_data.paths``
-                            pattern matches .jsonl/.parquet/.txt files
+                            pattern matches .jsonl/.parquet/.txt files; so does
+                            ``validation.dataset_path`` for ``validation.dataset = "local_text"``
 pretrained weights          ``checkpoint.initial_load_in_hf`` and nothing to resume:
                             ``*.safetensors`` in the load path
 initial checkpoint          ``checkpoint.initial_load_path`` and nothing to resume: a folder
@@ -62,6 +63,9 @@ def check_dataset(job_config) -> None:
             raise ConfigError('training.dataset = "local_text" needs local_data.paths: glob patterns of '
                               '.jsonl/.parquet/.txt files, e.g. paths = ["/data/books/*.jsonl"]')
         expand_paths(job_config.local_data.paths)
+    validation = job_config.validation
+    if validation.enable and validation.dataset == LOCAL_TEXT_DATASET and validation.dataset_path:
+        expand_paths([validation.dataset_path], "validation.dataset_path")
 
 
 def checkpoint_folder(job_config) -> str:

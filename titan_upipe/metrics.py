@@ -16,6 +16,8 @@ custom-scalars layout makes TensorBoard open them grouped as Loss, Throughput, M
 tag                            meaning
 ============================== ==============================================
 loss/global_avg                mean loss over all non-ignored tokens
+loss_metrics/global_max_loss   the worst data-parallel batch's mean loss (TorchTitan's tag)
+validation_metrics/loss        the held-out loss (``validation.enable``; titan_upipe.validator)
 throughput/tokens_per_s_per_gpu tokens per second per device (CP ranks share a sequence)
 throughput/step_time_s         wall time per step
 throughput/tflops_per_gpu      achieved TFLOP/s per device, causal FLOPs
@@ -47,9 +49,10 @@ GIB = 1024**3
 
 CUSTOM_SCALARS_LAYOUT = {
     "Loss": {
-        # Not TorchTitan's global_max_loss: under CP each rank's loss is its share of the
-        # sequence's sum over the global token count, so that "max" is about mean / C.
         "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss"]),
+        # The worst data-parallel batch's mean (titan_upipe.trainer), the mean itself without DP.
+        "max batch loss": ("Multiline", ["loss_metrics/global_max_loss"]),
+        "validation loss": ("Multiline", ["validation_metrics/loss"]),
         "grad norm": ("Multiline", ["grad_norm"]),
     },
     "Throughput": {

@@ -1,6 +1,10 @@
 """``parallelize_fn`` of the plugin's train specs: activation checkpointing (TorchTitan's, or full
 checkpointing with host-offloaded block inputs), compile, FSDP.
 
+Compile: TorchTitan's whole-block ``fullgraph`` compile for plain models; for models with
+context-parallel attention or tiled transforms, each block's norms and feed-forward
+(``compile_parts``), the attention and tiled modules eager.
+
 Context parallelism is not applied here: the CP attention converters
 (``model.converters``) have already replaced each block's attention before this
 runs (TorchTitan converts on the meta device, then parallelizes). TorchTitan's
@@ -18,6 +22,7 @@ from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
 from torchtitan.tools.logging import logger
 
 from titan_upipe import cpu_runtime
+from titan_upipe.compile_parts import compile_parts, needs_part_compile
 from titan_upipe.config import ConfigError
 from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.validation import check_job
@@ -34,7 +39,11 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  base_folder=job_config.job.dump_folder)
-    if compile_model:
+    if compile_model and needs_part_compile(model):  # CP attention or tiled transforms: no whole-block graph
+        parts = compile_parts(model, job_config.compile.backend)
+        logger.info("Compiled %d norms and feed-forwards with torch.compile; attention and tiled modules stay eager",
+                    len(parts))
+    elif compile_model:
         apply_compile(model, job_config.compile)
 
     if parallel_dims.fsdp_enabled:

@@ -2,7 +2,8 @@
 
 ``upipe_llama3`` and ``upipe_qwen3`` keep TorchTitan's model classes and
 flavors (so checkpoints and HF conversion are unchanged) and swap in our
-``parallelize_fn``, data/tokenizer builders and loss (TorchTitan's summed cross-entropy,
+``parallelize_fn``, data/tokenizer builders, validator (``titan_upipe.validator``: the loss of
+every CP layout over the global token count) and loss (TorchTitan's summed cross-entropy,
 or the fused head's under the ``fused_ce`` converter) and metrics (causal attention FLOPs,
 grouped TensorBoard tags: ``titan_upipe.metrics``). Each spec owns a copy of the flavor dict, because
 ``update_from_config`` mutates the flavor args in place.
@@ -21,6 +22,7 @@ from titan_upipe.flavors import BASE_MODELS, model_flavors
 from titan_upipe.loss import build_loss_fn
 from titan_upipe.metrics import build_metrics_processor
 from titan_upipe.parallelize import parallelize
+from titan_upipe.validator import build_validator
 
 
 def _derived_spec(name: str) -> TrainSpec:
@@ -34,6 +36,7 @@ def _derived_spec(name: str) -> TrainSpec:
         build_tokenizer_fn=builders.build_tokenizer,
         build_loss_fn=build_loss_fn,
         build_metrics_processor_fn=build_metrics_processor,
+        build_validator_fn=build_validator,
     )
 
 

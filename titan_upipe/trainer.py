@@ -1,52 +1,123 @@
-"""TorchTitan's ``Trainer`` with two changes: how context-parallel inputs are sharded, and the
-loader's document-length statistics passed to the metrics (``data/…`` tags).
+"""TorchTitan's ``Trainer`` with the plugin's inputs, validator and counters.
 
-Under CP, TorchTitan shards tokens, labels and positions head-tail for its ring
-attention. Our attention expects ``titan_upipe.parallel``'s layout (contiguous for
-Ulysses/UPipe on the 1-D CP mesh; zigzag over ring x contiguous over Ulysses for ring, USP
-and UPipe inside USP), so tokens, labels and their global positions are sharded with
-``shard_sequence`` on the mesh the converter derived (read back from the converted
-attention). Token counts for the loss are taken before sharding, by the unchanged trainer, so the loss summed over CP ranks is the single-device mean.
+* **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
+  attention's layout (``titan_upipe.cp_inputs.shard_batch``), not TorchTitan's head-tail one.
+* **Validation.** ``validation.enable`` runs ``titan_upipe.validator.LayoutValidator`` (the train
+  specs' ``build_validator_fn``): the same sharding, the loss over the global token count.
+* **Counters.** A step's numbers, for ``D`` data-parallel batches of ``N_d`` valid tokens each, CP
+  rank ``c`` holding the loss sum ``L_{d,c}`` of its ``1/C`` of batch ``d``:
+
+  ============================ =================================================================
+  ``loss_metrics/global_avg``  ``Σ_{d,c} L_{d,c} / Σ_d N_d`` (the single-device mean)
+  ``loss_metrics/global_max``  ``max_d Σ_c L_{d,c} / N_d``: the worst data-parallel batch (= the
+                               mean when D = 1, as on one device)
+  ``n_tokens_seen``            ``Σ_d`` tokens of every step so far, counted once per batch (not once
+                               per CP rank), held identically by every rank so that a checkpoint
+                               resumes under any layout
+  ``throughput(tps)``          tokens of this rank's batch / (time x C): per device, unchanged
+  ============================ =================================================================
+
+  TorchTitan 0.2.2 sums ``n_tokens_seen`` and takes the max over the CP ranks as well, which makes
+  the first C times too large and the second the max of ``L_{d,c} / N_d`` (about the mean / C).
+* **Document statistics.** A packed corpus's document lengths go to the metrics (``data/…`` tags).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import all_reduce
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from titan_upipe.attention import sequence_mesh
-from titan_upipe.errors import ConfigError
-from titan_upipe.parallel import shard_sequence
-from titan_upipe.parallel.cp_layout import CP_MODES
+from titan_upipe.cp_inputs import model_sequence_mesh, shard_batch
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
 
 class ContextParallelTrainer(Trainer):
     def __init__(self, job_config) -> None:
         super().__init__(job_config)
-        # Document lengths of a packed corpus go to TensorBoard with the other metrics.
         take_stats = getattr(self.dataloader, "take_document_stats", None)
         if take_stats is not None and hasattr(self.metrics_processor, "document_stats"):
             self.metrics_processor.document_stats = take_stats
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """D: the batches read per step (every CP rank of a batch reads all of it)."""
+        return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
 
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
-        cp_mesh = self._sequence_mesh()
-        inputs, positions = shard_sequence(input_dict["input"], cp_mesh, seq_dim=1)
-        labels, _ = shard_sequence(labels, cp_mesh, seq_dim=1)
-        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-        return inputs, labels, extra_inputs, {"positions": positions}
-
-    def _sequence_mesh(self):
-        """The mesh of the converted attention (validation refused CP > 1 without a converter)."""
         if getattr(self, "_cp_sequence_mesh", None) is None:
-            meshes = [sequence_mesh(part) for part in self.model_parts]
-            self._cp_sequence_mesh = next((m for m in meshes if m is not None), None)
-            if self._cp_sequence_mesh is None:
-                raise ConfigError("parallelism.context_parallel_degree > 1 but no attention was converted: "
-                                  f"add one of {', '.join(CP_MODES)} to model.converters")
-        return self._cp_sequence_mesh
+            self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
+        return shard_batch(input_dict, labels, self._cp_sequence_mesh)
+
+    def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
+        """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)
+        and this rank's tokens (per-device throughput)."""
+        data_iterator = iter(data_iterable)
+        while True:
+            started = time.perf_counter()
+            try:
+                input_dict, labels = next(data_iterator)
+            except StopIteration as exhausted:
+                raise DataloaderExhaustedError() from exhausted
+            # Every data-parallel rank reads a batch of the same shape.
+            self.ntokens_seen += labels.numel() * self.data_parallel_degree
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            self.metrics_processor.data_loading_times.append(time.perf_counter() - started)
+            yield input_dict, labels
+
+    def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        """One optimizer step over ``gradient_accumulation_steps`` microbatches; losses over the
+        global valid-token count; logs the counters in the module docstring."""
+        self.optimizers.zero_grad()
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        # N_d: this rank's data-parallel batch, whole (counted before CP sharding).
+        batch_valid = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
+        batch_valid = batch_valid.to(self.device)
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        global_valid = batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)
+
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+                                              global_valid_tokens=global_valid)
+            losses.append(loss.detach())
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm,
+            foreach=True, pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+
+        if not self.metrics_processor.should_log(self.step):
+            return
+        avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
+        self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
+                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr})
+
+    def _reduce_losses(self, loss: torch.Tensor, global_valid, batch_valid: torch.Tensor) -> tuple[float, float]:
+        """(global mean, max over data-parallel batches of the batch mean) from this rank's
+        ``loss = L_{d,c} / Σ_d N_d``."""
+        batch_loss = loss
+        if self.parallel_dims.cp_enabled:
+            batch_loss = all_reduce(loss, "sum", self.parallel_dims.get_mesh("cp"))
+        batch_mean = batch_loss * global_valid / batch_valid
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+        if loss_mesh is None:
+            return loss.item(), batch_mean.item()
+        # Every CP rank of a batch holds the same batch mean: the max over the loss mesh is over batches.
+        return dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(batch_mean, loss_mesh)

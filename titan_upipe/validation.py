@@ -11,10 +11,14 @@ a :class:`~titan_upipe.parallel.cp_layout.CPLayout` (:func:`cp_layout`).
 from __future__ import annotations
 
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols import model_converter
 
 from titan_upipe.attention.backends import BackendChoice, choose_backend
-from titan_upipe.errors import ConfigError
+from titan_upipe.data.builders import PLUGIN_DATASETS
+from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
+from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
+from titan_upipe.errors import ConfigError, did_you_mean
 from titan_upipe.flavors import flavor_args
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, cp_mode, divisors
 from titan_upipe.transforms import TRANSFORM_NAMES
@@ -30,20 +34,137 @@ def degrees_besides_shard(parallelism) -> int:
             * parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree)
 
 
-def check_world_size(parallelism, world_size: int) -> None:
+DEGREES_BESIDES_SHARD = ("context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                         "data_parallel_replicate_degree")
+"""The ``[parallelism]`` degrees whose product the world size is a multiple of."""
+
+
+def check_parallel_degrees(parallelism) -> None:
+    """Every degree is at least 1; ``data_parallel_shard_degree`` may also be -1 (the rest)."""
+    for key in (*DEGREES_BESIDES_SHARD, "expert_parallel_degree"):
+        if (value := getattr(parallelism, key)) < 1:
+            raise ConfigError(f"parallelism.{key} = {value} is invalid: valid values are 1 or more")
+    shard = parallelism.data_parallel_shard_degree
+    if shard != -1 and shard < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree = {shard} is invalid: valid values are -1 (the "
+                          "ranks the other degrees leave) or 1 or more")
+
+
+def _degrees_are_valid(parallelism) -> bool:
+    try:
+        check_parallel_degrees(parallelism)
+    except ConfigError:
+        return False
+    return True
+
+
+def _degree_terms(parallelism) -> list[str]:
+    """``["context_parallel_degree 2", ...]``: the degrees besides the shard degree that are not 1."""
+    return [f"{key} {getattr(parallelism, key)}" for key in DEGREES_BESIDES_SHARD if getattr(parallelism, key) != 1]
+
+
+def _neighbouring_multiples(unit: int, world_size: int) -> str:
+    """``"2 or 4"``: the multiples of ``unit`` just below and above ``world_size`` (below only if > 0)."""
+    below = world_size // unit * unit
+    return f"{below} or {below + unit}" if below else str(below + unit)
+
+
+def _fitting_cp_degrees(parallelism, world_size: int, shard: int = 1) -> list[int]:
+    """``context_parallel_degree`` values that, with the other degrees (and ``shard`` FSDP ranks),
+    fit ``world_size``: every divisor of what the others leave."""
+    others = degrees_besides_shard(parallelism) // parallelism.context_parallel_degree * shard
+    return [] if world_size % others else divisors(world_size // others)
+
+
+def _not_a_multiple(parallelism, world_size: int) -> str:
+    """dp_shard = -1: the world size must be a multiple of the other degrees."""
+    terms = _degree_terms(parallelism)
+    unit = degrees_besides_shard(parallelism)
+    product = " x ".join(terms) + (f" = {unit}" if len(terms) > 1 else "")
+    ranks = f"{world_size} ranks are" if world_size != 1 else "1 rank is"
+    message = f"{ranks} not a multiple of {product}: launch {_neighbouring_multiples(unit, world_size)} ranks"
+    if cp_degrees := _fitting_cp_degrees(parallelism, world_size):
+        message += f", or set context_parallel_degree to one of {', '.join(map(str, cp_degrees))}"
+    return message
+
+
+def _shard_mismatch(parallelism, world_size: int) -> str:
+    """A fixed dp_shard: the degrees multiply to a world size other than the launched one."""
+    shard = parallelism.data_parallel_shard_degree
     fixed = degrees_besides_shard(parallelism)
+    terms = [*_degree_terms(parallelism), f"data_parallel_shard_degree {shard}"]
+    message = (f"{' x '.join(terms)} need {fixed * shard} ranks, but {world_size} are launched: launch "
+               f"{fixed * shard} ranks")
+    if world_size % fixed == 0:
+        return message + (f", or set data_parallel_shard_degree to {world_size // fixed} (or -1: the ranks the "
+                          "other degrees leave)")
+    if cp_degrees := _fitting_cp_degrees(parallelism, world_size, shard):
+        message += f", or set context_parallel_degree to one of {', '.join(map(str, cp_degrees))}"
+    return message
+
+
+def world_size_problem(parallelism, world_size: int) -> str | None:
+    """What is wrong with launching these degrees on ``world_size`` ranks, and what to change;
+    None when they fit (or when a degree is itself invalid: :func:`check_parallel_degrees`)."""
+    if not _degrees_are_valid(parallelism):
+        return None
+    fixed = degrees_besides_shard(parallelism)
+    if parallelism.data_parallel_shard_degree == -1:
+        return None if world_size % fixed == 0 else _not_a_multiple(parallelism, world_size)
+    return None if fixed * parallelism.data_parallel_shard_degree == world_size else _shard_mismatch(
+        parallelism, world_size)
+
+
+def check_world_size(parallelism, world_size: int) -> None:
+    if problem := world_size_problem(parallelism, world_size):
+        raise ConfigError(problem)
+
+
+def data_parallel_degree(parallelism, world_size: int) -> int | None:
+    """Ranks that read different batches (dp_replicate x dp_shard, -1 resolved); None when the
+    degrees do not fit ``world_size``."""
+    if not _degrees_are_valid(parallelism) or world_size_problem(parallelism, world_size):
+        return None
     shard = parallelism.data_parallel_shard_degree
     if shard == -1:
-        ok = world_size % fixed == 0
-    else:
-        ok = fixed * shard == world_size
-    if not ok:
+        shard = world_size // degrees_besides_shard(parallelism)
+    return shard * parallelism.data_parallel_replicate_degree
+
+
+POSITIVE_TRAINING_KEYS = {
+    "local_batch_size": "sequences per data-parallel rank",
+    "steps": "optimizer steps to run",
+    "seq_len": "tokens per sequence",
+}
+"""``[training]`` counts that must be at least 1, with what a value means (TorchTitan refuses a
+batch of 0 only after the process group starts, and exits 0 after 0 steps)."""
+
+
+def check_training_counts(training) -> None:
+    for key, meaning in POSITIVE_TRAINING_KEYS.items():
+        if (value := getattr(training, key)) < 1:
+            raise ConfigError(f"training.{key} = {value} is invalid ({meaning}): valid values are 1 or more")
+
+
+def check_global_batch(training, parallelism, world_size: int) -> None:
+    """``global_batch_size`` is -1 (one step of local x data-parallel sequences) or a multiple of it
+    (that many gradient-accumulation micro-batches)."""
+    dp = data_parallel_degree(parallelism, world_size)
+    if training.global_batch_size < 0 or dp is None or training.local_batch_size < 1:
+        return
+    unit = training.local_batch_size * dp
+    if training.global_batch_size == 0 or training.global_batch_size % unit:
         raise ConfigError(
-            f"parallelism degrees (context_parallel_degree={parallelism.context_parallel_degree}, "
-            f"data_parallel_shard_degree={shard}, data_parallel_replicate_degree="
-            f"{parallelism.data_parallel_replicate_degree}, tensor/pipeline=1) do not match the world size "
-            f"{world_size}: valid context_parallel_degree values for {world_size} ranks are {divisors(world_size)}"
+            f"training.global_batch_size = {training.global_batch_size} is not a multiple of local_batch_size "
+            f"{training.local_batch_size} x data-parallel degree {dp} = {unit}: use a multiple of {unit} (global / {unit} "
+            f"gradient-accumulation micro-batches per step) or -1 (= {unit}, one micro-batch per step)"
         )
+
+
+def check_training(job_config, world_size: int) -> None:
+    """Batch sizes and step count before any process group starts."""
+    check_training_counts(job_config.training)
+    check_global_batch(job_config.training, job_config.parallelism, world_size)
 
 
 def check_supported_parallelism(parallelism) -> None:
@@ -110,7 +231,9 @@ def check_converter_names(converters: list[str]) -> None:
     known = sorted({*model_converter._registry_model_converter_cls, *CP_MODES, *TRANSFORM_NAMES})
     unknown = [name for name in converters if name not in known]
     if unknown:
-        raise ConfigError(f"model.converters has unknown name(s) {unknown}: valid values are {', '.join(known)}")
+        hints = [hint for name in unknown if (hint := did_you_mean(name, known))]
+        raise ConfigError(f"model.converters has unknown name(s) {unknown}: valid values are {', '.join(known)}"
+                          + "".join(f"; {hint}" for hint in hints))
     repeated = sorted({name for name in converters if converters.count(name) > 1})
     if repeated:
         raise ConfigError(f"model.converters names {repeated} more than once: list each converter once")
@@ -134,14 +257,114 @@ def check_offload(job_config) -> None:
 
 
 def check_transforms(job_config) -> None:
-    """Converter names, tile sizes and backends, offload settings; raises ConfigError."""
-    check_converter_names(list(job_config.model.converters))
+    """Tile sizes and backends, offload settings (converter names: ``check_converter_names``, run
+    before the CP checks so that a typo is named as one); raises ConfigError."""
     transforms = getattr(job_config, "transforms", None)
     if transforms is not None:
         type(transforms).__post_init__(transforms)  # CLI/TOML values, re-checked after overrides
         if "fused_ce" in job_config.model.converters:
             resolve_backend(transforms.ce_backend)
     check_offload(job_config)
+
+
+def check_validation(job_config) -> None:
+    """``[validation]`` when enabled: a CP-shardable ``seq_len`` within the RoPE table, batches and
+    steps that end, a dataset the plugin or TorchTitan can read."""
+    validation = job_config.validation
+    if not validation.enable:
+        return
+    if validation.local_batch_size < 1 or validation.seq_len < 1:
+        raise ConfigError(f"validation.local_batch_size = {validation.local_batch_size} and validation.seq_len = "
+                          f"{validation.seq_len} must both be >= 1")
+    if validation.seq_len > job_config.training.seq_len:
+        raise ConfigError(f"validation.seq_len = {validation.seq_len} exceeds training.seq_len = "
+                          f"{job_config.training.seq_len} (the RoPE table's length): set validation.seq_len <= "
+                          f"{job_config.training.seq_len}")
+    layout = cp_layout(job_config)
+    if validation.seq_len % layout.seq_divisor:
+        unit = layout.seq_divisor
+        raise ConfigError(f"validation.seq_len = {validation.seq_len} is not divisible by {unit}, the "
+                          f"{layout.name} layout's unit at CP {layout.cp_degree}: use a multiple of {unit} "
+                          f"(e.g. {validation.seq_len - validation.seq_len % unit or unit})")
+    if validation.dataset not in PLUGIN_DATASETS and validation.dataset not in DATASETS:
+        raise ConfigError(f"validation.dataset = {validation.dataset!r} is unknown: valid values are "
+                          f"{', '.join(sorted({*PLUGIN_DATASETS, *DATASETS}))}")
+    if (validation.dataset in SYNTHETIC_DATASETS) != (job_config.training.dataset in SYNTHETIC_DATASETS):
+        raise ConfigError(f"validation.dataset = {validation.dataset!r} and training.dataset = "
+                          f"{job_config.training.dataset!r} use different tokenizers (synthetic_copy has its own "
+                          "vocabulary): validate on synthetic_copy with synthetic training data, on text otherwise")
+    if validation.dataset in PLUGIN_DATASETS:  # infinite streams
+        if validation.steps < 1:
+            raise ConfigError(f"validation.steps = {validation.steps} reads {validation.dataset!r} until it ends, "
+                              "and it never ends (synthetic, or local files read pass after pass): set "
+                              "validation.steps to the number of batches to score, e.g. 4")
+        if validation.dataset == LOCAL_TEXT_DATASET and not validation.dataset_path:
+            raise ConfigError('validation.dataset = "local_text" needs validation.dataset_path: a glob pattern of '
+                              '.jsonl/.parquet/.txt files, e.g. "/data/heldout/*.jsonl"')
+
+
+PER_PART_COMPILE_CONVERTERS = ("tiled_mlp", "tiled_rmsnorm")
+"""Besides a CP converter, the converters whose blocks ``compile.enable`` compiles part by part."""
+
+
+def check_compile(job_config) -> None:
+    """``compile.enable`` with the ``model`` component on a block the plugin converts (a CP
+    converter, ``tiled_mlp``, ``tiled_rmsnorm``) compiles the block's norms and feed-forward, not
+    the block (``titan_upipe.compile_parts``): ``activation_checkpoint.mode = "memory_budget"``,
+    which budgets a compiled block's activations, would have no block graph to act on."""
+    compile_config, converters = job_config.compile, list(job_config.model.converters)
+    if not (compile_config.enable and "model" in compile_config.components):
+        return
+    per_part = cp_mode(converters) is not None or any(name in converters for name in PER_PART_COMPILE_CONVERTERS)
+    if per_part and job_config.activation_checkpoint.mode == "memory_budget":
+        raise ConfigError(
+            "activation_checkpoint.mode = \"memory_budget\" with compile.enable needs whole compiled blocks, but with "
+            f"model.converters {converters} only each block's norms and feed-forward are compiled (the attention "
+            "and tiled modules stay eager): valid values here are none, full (and selective with selective_ac_option "
+            "= \"op\" or \"1\" where a CP converter is set: the same as full)"
+        )
+
+
+SELECTIVE_AC_1M_GIB = {
+    "upipe": (8, 118, 54, 26),
+    "ulysses": (8, 163, 57, 29),
+    "ring": (8, 169, 63, 35),
+    "usp": (16, 86, 33, 19),
+}
+"""Per CP converter: (ranks, GiB per rank with selective layer AC "2", with full AC, with full AC
+offloaded) of its Llama3-8B recipe at 1M tokens (``configs/llama3_8b/<converter>_1m.toml``;
+planner, the selective figure extrapolated from its full/none moments and checked against the
+rank emulator on CPU: ``docs/benchmarks/selective_ac.md``, ``scripts/bench_selective_ac.py``)."""
+
+
+def check_activation_checkpointing(job_config) -> None:
+    """``activation_checkpoint.mode = "selective"`` (TorchTitan's default when a TOML has no
+    ``[activation_checkpoint]`` section, with ``selective_ac_option = "2"``) with a CP converter:
+    a layer frequency k >= 2 checkpoints every k-th block and keeps the others' activations whole,
+    which long contexts cannot hold (``SELECTIVE_AC_1M_GIB``); refused with the setting to use.
+    ``"op"`` and k = 1 (every block checkpointed) are full AC in this plugin and pass: its
+    ``parallelize`` gives TorchTitan's op-level AC no save list, so every op is recomputed
+    (measured: the same bytes as full). Without a CP converter selective AC is TorchTitan's and
+    passes. A ``selective_ac_option`` TorchTitan would reject at ``apply_ac`` is refused here."""
+    ac = job_config.activation_checkpoint
+    if ac.mode != "selective":
+        return
+    option = str(ac.selective_ac_option).strip()
+    if option != "op" and not option.isdigit():
+        raise ConfigError(f"activation_checkpoint.selective_ac_option = {option!r} is invalid: valid values are "
+                          "\"op\" or a block frequency k (\"2\": every 2nd block checkpointed)")
+    mode = cp_mode(list(job_config.model.converters))
+    if mode is None or option == "op" or int(option) <= 1:
+        return
+    ranks, selective, full, offloaded = SELECTIVE_AC_1M_GIB[mode]
+    default = "; TorchTitan's default when the TOML has no [activation_checkpoint] section" if option == "2" else ""
+    raise ConfigError(
+        f"activation_checkpoint.mode = \"selective\" (selective_ac_option = \"{option}\"{default}) checkpoints one "
+        f"block in {option} and keeps the other blocks' activations, too many for {mode} at long contexts "
+        f"(Llama3-8B, 1M tokens, {ranks} ranks: {selective} GiB per rank against {full} with full AC and {offloaded} "
+        "offloaded; docs/benchmarks/selective_ac.md): set activation_checkpoint.mode = \"full\" (with "
+        "activation_checkpoint.cpu_offload = true for long contexts), or \"none\" for short debug runs"
+    )
 
 
 PLUGIN_IMPORT = "titan_upipe.plugin"
@@ -162,10 +385,16 @@ def config_warnings(job_config) -> list[str]:
 
 
 JOB_CHECKS = (
+    lambda job_config, world_size: check_parallel_degrees(job_config.parallelism),
     lambda job_config, world_size: check_supported_parallelism(job_config.parallelism),
     lambda job_config, world_size: check_world_size(job_config.parallelism, world_size),
+    lambda job_config, world_size: check_training(job_config, world_size),
+    lambda job_config, world_size: check_converter_names(list(job_config.model.converters)),
     lambda job_config, world_size: check_context_parallel(job_config),
     lambda job_config, world_size: check_transforms(job_config),
+    lambda job_config, world_size: check_validation(job_config),
+    lambda job_config, world_size: check_compile(job_config),
+    lambda job_config, world_size: check_activation_checkpointing(job_config),
 )
 """Every job-level check as ``check(job_config, world_size)``; ``titan_upipe.validate`` runs
 them all to report every problem, ``check_job`` stops at the first."""

@@ -10,6 +10,11 @@ anything else       HF, ``model.hf_assets_path``     TorchTitan's text pipeline 
 
 The two plugin datasets checkpoint one global cursor, so a run resumes under another
 data-parallel or CP degree (``titan_upipe.data.loader``); TorchTitan's pipeline does not.
+
+Validation (``[validation]``) reads ``validation.dataset``: ``synthetic_copy`` draws held-out
+samples (another seed), ``local_text`` packs the files of the glob ``validation.dataset_path``;
+both start from their first sample at every evaluation, so every point of the validation curve
+scores the same tokens. Other names go to TorchTitan's validation pipeline.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from functools import partial
 from titan_upipe.data import tokenizer as vocab
 from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, LocalTextStream, expand_paths
-from titan_upipe.data.synthetic import SYNTHETIC_DATASETS, SyntheticCopyStream
+from titan_upipe.data.synthetic import SYNTHETIC_DATASETS, VALIDATION_SEED, SyntheticCopyStream
 
 PLUGIN_DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
 
@@ -37,6 +42,24 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, in
     else:
         stream = SyntheticCopyStream(training.seq_len)
     return GlobalBatchLoader(stream, training.local_batch_size, dp_rank, dp_world_size)
+
+
+def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config):
+    """A loader of ``validation.local_batch_size`` x ``validation.seq_len`` batches from the start
+    of ``validation.dataset`` (plugin datasets: a new one per evaluation, infinite)."""
+    validation = job_config.validation
+    if validation.dataset not in PLUGIN_DATASETS:
+        from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloader
+
+        return build_text_validation_dataloader(job_config=job_config, dp_world_size=dp_world_size, dp_rank=dp_rank,
+                                                 tokenizer=tokenizer, infinite=validation.steps != -1)
+    if validation.dataset == LOCAL_TEXT_DATASET:
+        stream = LocalTextStream(expand_paths([validation.dataset_path], "validation.dataset_path"),
+                                 partial(tokenizer.encode, add_bos=True, add_eos=True), validation.seq_len,
+                                 job_config.local_data.text_key)
+    else:
+        stream = SyntheticCopyStream(validation.seq_len, seed=VALIDATION_SEED)
+    return GlobalBatchLoader(stream, validation.local_batch_size, dp_rank, dp_world_size)
 
 
 def build_tokenizer(job_config):

@@ -35,19 +35,19 @@ LOCAL_TEXT_DATASET = "local_text"
 READERS_BY_EXTENSION = (".jsonl", ".parquet", ".txt")
 
 
-def expand_paths(patterns: list[str]) -> list[str]:
-    """The files the glob patterns match (``**`` recursive), sorted, each once; ConfigError for
-    a pattern that matches nothing or a file of another type."""
+def expand_paths(patterns: list[str], setting: str = "local_data.paths") -> list[str]:
+    """The files the glob patterns match (``**`` recursive), sorted, each once; ConfigError (naming
+    ``setting``) for a pattern that matches nothing or a file of another type."""
     files: set[str] = set()
     for pattern in patterns:
         matches = [p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p)]
         if not matches:
-            raise ConfigError(f"local_data.paths pattern {pattern!r} matches no file (relative patterns are "
+            raise ConfigError(f"{setting} pattern {pattern!r} matches no file (relative patterns are "
                               f"resolved from {os.getcwd()}): fix the pattern or copy the data there")
         files.update(os.path.abspath(p) for p in matches)
     wrong = sorted(p for p in files if not p.endswith(READERS_BY_EXTENSION))
     if wrong:
-        raise ConfigError(f"local_data.paths matches {wrong[:3]} ({len(wrong)} file(s)) of an unsupported type: "
+        raise ConfigError(f"{setting} matches {wrong[:3]} ({len(wrong)} file(s)) of an unsupported type: "
                           f"valid extensions are {', '.join(READERS_BY_EXTENSION)}; narrow the patterns")
     return sorted(files)
 

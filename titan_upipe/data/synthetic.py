@@ -28,6 +28,8 @@ SYNTHETIC_DATASETS = ("synthetic_copy",)
 _ZIPF_EXPONENT = 1.1
 _RUN_CONTINUE_PROB = 0.5
 _DEFAULT_SEED = 1234
+VALIDATION_SEED = 4321
+"""The seed of ``validation.dataset = "synthetic_copy"``: samples the training stream never draws."""
 
 
 def _zipf_probabilities(n: int) -> np.ndarray:

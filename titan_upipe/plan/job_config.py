@@ -40,8 +40,16 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
     backend = transforms.ce_backend
     if backend == "auto":
         backend = "liger" if device == "cuda" else "torch"
-    if ac.mode not in ("none", "full"):
-        raise ValueError(f"activation_checkpoint.mode = {ac.mode!r}: the planner models 'none' and 'full'")
+    ac_mode = ac.mode
+    option = str(getattr(ac, "selective_ac_option", "")).strip()
+    if ac_mode == "selective" and (option == "op" or option.isdigit() and int(option) <= 1):
+        # op-level AC without a save list (the plugin's parallelize passes none) or every block
+        # checkpointed: full AC, measured to the byte (docs/benchmarks/selective_ac.md)
+        ac_mode = "full"
+    if ac_mode not in ("none", "full"):
+        raise ValueError(f"activation_checkpoint.mode = {ac.mode!r} (selective_ac_option = {option!r}): the planner "
+                         "models 'none', 'full' and the selective settings that are full AC ('op', '1'); for "
+                         "selective layer AC see docs/benchmarks/selective_ac.md")
     return PlanInput(
         model=dims, seq_len=job_config.training.seq_len, batch=job_config.training.local_batch_size, cp=cp,
         ulysses=upipe.ulysses_degree, mode=mode, heads_per_stage=upipe.heads_per_stage or None,
@@ -50,7 +58,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         tiled_mlp="tiled_mlp" in converters, tiled_rmsnorm="tiled_rmsnorm" in converters,
         fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
         mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
-        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac.mode,
+        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac_mode,
         attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
         cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
         device=device,

@@ -1,0 +1,122 @@
+"""One clear error per mistake: the trainer prints a ConfigError once (rank 0), as one line with
+its fix and no traceback, exits 2 before any process group starts, and ``validate`` finds the
+same problem (exit 1). In-process: ``train.main`` / ``validate.main`` with WORLD_SIZE/RANK set."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from trainer_utils import REPO
+
+from titan_upipe import train, validate
+from titan_upipe.config import ConfigError, Transforms
+from titan_upipe.config_parse import console_error_line
+
+UPIPE = str(REPO / "configs/debug/llama3_upipe.toml")  # CP = 2, data_parallel_shard_degree = -1
+PREFIX = "titan_upipe.train: error: "
+
+
+def _toml_with(tmp_path, old: str, new: str) -> str:
+    path = tmp_path / "job.toml"
+    text = (REPO / "configs/debug/llama3_upipe.toml").read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+# (id, config or a function of tmp_path, overrides, world size, the message as a regex)
+CASES = [
+    ("converter-typo", UPIPE, ("--model.converters", "upipee"), 2,
+     r"model.converters has unknown name\(s\) \['upipee'\]: valid values are .*; did you mean \"upipe\"\?$"),
+    ("unknown-toml-key", lambda tmp: _toml_with(tmp, "steps = 30", "stesp = 30"), (), 2,
+     r"job.toml: unknown key training.stesp: did you mean \"training.steps\"\?$"),
+    ("unknown-flag", UPIPE, ("--trainin.steps", "3"), 2, r"^unknown option --trainin.steps: did you mean --training.steps\?$"),
+    ("bad-backend", UPIPE, ("--upipe.attention_backend", "sdpaa"), 2,
+     r"^invalid upipe.attention_backend = 'sdpaa': valid values are auto, sdpa, .*; did you mean \"sdpa\"\?$"),
+    ("bad-toml-type", lambda tmp: _toml_with(tmp, "steps = 30", 'steps = "30"'), (), 2,
+     r"job.toml: invalid training.steps = '30' \(str\): valid values are integers$"),
+    ("bad-flag-value", UPIPE, ("--training.steps", "abc"), 2, r"^Error parsing --training.steps: invalid literal"),
+    ("nproc3-cp2", UPIPE, (), 3, r"^3 ranks are not a multiple of context_parallel_degree 2: launch 2 or 4 ranks, or "
+                                 r"set context_parallel_degree to one of 1, 3$"),
+    ("dp-shard3-on-2", UPIPE, ("--parallelism.data_parallel_shard_degree", "3"), 2,
+     r"^context_parallel_degree 2 x data_parallel_shard_degree 3 need 6 ranks, but 2 are launched: launch 6 ranks, "
+     r"or set data_parallel_shard_degree to 1 \(or -1"),
+    ("missing-file", str(REPO / "configs/debug/llama3_upipee.toml"), (), 2,
+     r"config file .*llama3_upipee.toml not found \(.*has no such file\); did you mean \".*llama3_upipe.toml\"\?$"),
+    ("local-batch-0", UPIPE, ("--training.local_batch_size", "0"), 2,
+     r"^training.local_batch_size = 0 is invalid \(sequences per data-parallel rank\): valid values are 1 or more$"),
+    ("local-batch-neg", UPIPE, ("--training.local_batch_size", "-1"), 2, r"^training.local_batch_size = -1 is invalid"),
+    ("steps-0", UPIPE, ("--training.steps", "0"), 2, r"^training.steps = 0 is invalid .*valid values are 1 or more$"),
+    ("steps-neg", UPIPE, ("--training.steps", "-1"), 2, r"^training.steps = -1 is invalid"),
+    ("global-batch", UPIPE, ("--training.global_batch_size", "3"), 2,
+     r"^training.global_batch_size = 3 is not a multiple of local_batch_size 2 x data-parallel degree 1 = 2"),
+]
+
+
+def _config(case_config, tmp_path) -> str:
+    return case_config(tmp_path) if callable(case_config) else case_config
+
+
+def _launch_env(monkeypatch, world: int, rank: int) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_mistake_is_one_line_once_and_validate_agrees(case, tmp_path, monkeypatch, capsys):
+    _, config, overrides, world, message = case
+    config = _config(config, tmp_path)
+    _launch_env(monkeypatch, world, rank=0)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--job.config_file", config, *overrides])
+    assert exit_info.value.code == 2
+    assert not torch.distributed.is_initialized()  # refused before any process group
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(PREFIX)]
+    assert len(lines) == 1 and err.count(PREFIX) == 1, err
+    assert re.search(message, lines[0][len(PREFIX):]), lines[0]
+    assert "Traceback" not in err and "╭" not in err and "Value error" not in err
+
+    assert validate.main([config, "--world-size", str(world), "--no-assets", *overrides]) == 1
+    reported = capsys.readouterr().out
+    assert any(re.search(message, line.removeprefix("  - ")) for line in reported.splitlines()), reported
+
+
+def test_other_ranks_print_nothing(monkeypatch, capsys):
+    _launch_env(monkeypatch, 3, rank=1)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--job.config_file", UPIPE])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert "error" not in captured.err + captured.out
+
+
+def test_a_failure_after_the_process_group_started_is_one_line_per_failing_rank(tmp_path, monkeypatch, capsys):
+    """Such a rank may fail alone, so it prints its own line; the traceback torchrun's @record
+    wrote for it (TorchTitan's Trainer methods are wrapped) is removed from the failure summary."""
+    recorded = tmp_path / "error.json"
+    recorded.write_text('{"message": {"extraInfo": {"py_callstack": "Traceback ..."}}}')
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(recorded))
+    monkeypatch.setenv("RANK", "1")
+    assert train.exit_on_config_error(ConfigError("bad"), every_rank=True).code == 2
+    assert capsys.readouterr().err == "titan_upipe.train: error on rank 1: bad\n"
+    assert not recorded.exists()
+
+
+def test_ce_backend_typo_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"^invalid transforms.ce_backend = 'torh': valid values are auto, torch, "
+                                          r"liger; did you mean \"torch\"\?$"):
+        Transforms(ce_backend="torh")
+
+
+@pytest.mark.parametrize("drawing", ["utf8", "ascii"])
+def test_tyro_error_box_becomes_its_message(drawing):
+    """tyro draws with UTF-8 box characters or ASCII, depending on stdout's encoding."""
+    utf8 = ("╭─ Value error ─────────────╮\n│ Error parsing --training.steps: invalid │\n│ literal 'abc'  │\n"
+            "│ ───────────── │\n│ Argument helptext: │\n╰─────────────╯\n")
+    ascii_ = " Value error \n ------------- \n  Error parsing --training.steps: invalid \n  literal 'abc' \n" \
+             " ------------- \n  Argument helptext: \n"
+    text = utf8 if drawing == "utf8" else ascii_
+    assert console_error_line(text) == "Error parsing --training.steps: invalid literal 'abc'"

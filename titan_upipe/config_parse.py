@@ -1,0 +1,264 @@
+"""Parse a job's TOML and ``--section.key value`` flags into TorchTitan's ``JobConfig``; every
+mistake is one :class:`~titan_upipe.errors.ConfigError` line.
+
+TorchTitan 0.2.2's ``ConfigManager`` logs a traceback for a missing or malformed file, rejects an
+unknown TOML key with ``ValueError("Invalid field names in <class> data: {...}")`` (the section's
+class, no suggestion), does not type-check TOML values (``steps = "30"`` passes and fails much
+later), and leaves bad flags to tyro, which draws a multi-line box on stderr and exits with
+status 2: under torchrun, once per rank. :func:`parse_job_config` checks the file, the TOML keys
+and value types and the flag names against the merged schema first, each with the closest valid
+name, then runs ``ConfigManager`` with its console output held back, so what tyro still refuses
+(a flag's value) also becomes one ConfigError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import re
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+from torchtitan.config import ConfigManager
+from torchtitan.config import JobConfig as TorchTitanJobConfig
+
+from titan_upipe.errors import ConfigError, closest, with_suggestion
+
+__all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_flags", "check_toml", "config_schema",
+           "console_error_line", "flag_value", "load_toml", "parse_job_config", "parse_quietly"]
+
+Schema = dict[str, "Schema | object"]
+"""Section name -> nested schema, key name -> its annotated type."""
+
+CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
+CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+
+
+# ---------------------------------------------------------------------------- the file
+
+
+def load_toml(path: str) -> dict:
+    """The TOML at ``path``; a missing or malformed file is a ConfigError naming the fix."""
+    file = Path(path)
+    if not file.is_file():
+        siblings = sorted(str(p) for p in file.parent.glob("*.toml")) if file.parent.is_dir() else []
+        where = f"{file.parent}/ has no such file" if file.parent.is_dir() else f"{file.parent}/ does not exist"
+        raise ConfigError(with_suggestion(f"config file {path} not found ({where})", path, siblings))
+    try:
+        with file.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
+def flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
+    """The value of the first of ``flags`` in ``args`` (``--flag v`` or ``--flag=v``)."""
+    for i, arg in enumerate(args):
+        key, has_value, value = arg.partition("=")
+        if key in flags:
+            return value if has_value else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+# ---------------------------------------------------------------------------- the schema
+
+
+def _dataclass_schema(cls: type) -> Schema:
+    return {f.name: _dataclass_schema(f.type) if dataclasses.is_dataclass(f.type) else f.type
+            for f in dataclasses.fields(cls)}
+
+
+def _merge(base: Schema, extra: Schema) -> Schema:
+    """``extra`` merged into ``base`` as TorchTitan merges config classes: sections present in both
+    merge key by key, anything else from ``extra`` wins."""
+    merged = dict(base)
+    for name, node in extra.items():
+        both_sections = isinstance(merged.get(name), dict) and isinstance(node, dict)
+        merged[name] = _merge(merged[name], node) if both_sections else node
+    return merged
+
+
+def config_schema(custom_module: str | None) -> Schema:
+    """Every section and key TorchTitan's JobConfig, merged with ``custom_module``'s, accepts."""
+    schema = _dataclass_schema(TorchTitanJobConfig)
+    if not custom_module:
+        return schema
+    try:
+        custom = importlib.import_module(custom_module).JobConfig
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"job.custom_config_module = {custom_module!r} cannot be used ({err}): name a module "
+                          "with a JobConfig dataclass, e.g. \"titan_upipe.config\"") from None
+    return _merge(schema, _dataclass_schema(custom))
+
+
+def _leaf_names(schema: Schema, prefix: str = "") -> list[str]:
+    """Every key as ``section.key`` (nested sections dotted further)."""
+    names = []
+    for name, node in schema.items():
+        names += _leaf_names(node, f"{prefix}{name}.") if isinstance(node, dict) else [f"{prefix}{name}"]
+    return names
+
+
+# ---------------------------------------------------------------------------- TOML values
+
+
+def _accepts(value: object, annotation: object) -> bool:
+    """Whether a TOML ``value`` fits the field's annotation; annotations this does not model accept."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(value, arm) for arm in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_accepts(item, args[0]) for item in value))
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if annotation is type(None):
+        return False  # TOML has no null
+    return True
+
+
+def _describe(annotation: object) -> str:
+    """The values an annotation accepts, in words (``integers``, ``bfloat16, float32``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in args if arm is not type(None))
+    if origin is typing.Literal:
+        return ", ".join(str(arg) for arg in args)
+    if origin is list:
+        return f"lists of {_describe(args[0])}" if args else "lists"
+    names = {bool: "true, false", int: "integers", float: "numbers", str: "strings (in quotes)"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _value_problem(key: str, value: object, annotation: object) -> str | None:
+    if _accepts(value, annotation):
+        return None
+    message = f"invalid {key} = {value!r} ({type(value).__name__}): valid values are {_describe(annotation)}"
+    if typing.get_origin(annotation) is typing.Literal:
+        message = with_suggestion(message, value, typing.get_args(annotation))
+    return message
+
+
+def _unknown_toml_key(name: str, schema: Schema, prefix: str) -> str:
+    """``unknown key training.stesp: did you mean "training.steps"?``, from the keys of that section
+    only (a top-level name is a section: ``unknown section [trainin]``)."""
+    match = closest(name, schema)
+    if not prefix:
+        return f"unknown section [{name}]: " + (f"did you mean [{match}]?" if match else
+                                                f"valid sections are {', '.join(schema)}")
+    return f"unknown key {prefix}{name}: " + (f'did you mean "{prefix}{match}"?' if match else
+                                             f"valid keys of [{prefix[:-1]}] are {', '.join(schema)}")
+
+
+def check_toml(values: dict, schema: Schema, path: str, prefix: str = "") -> None:
+    """Every key of the TOML ``values`` is in ``schema`` (else the closest key of that section) and
+    every value has its field's type; raises ConfigError naming ``path``."""
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in schema:
+            raise ConfigError(f"{path}: {_unknown_toml_key(name, schema, prefix)}")
+        node = schema[name]
+        if isinstance(node, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key} is a section: write its keys under [{key}]")
+            check_toml(value, node, path, f"{key}.")
+        elif problem := _value_problem(key, value, node):
+            raise ConfigError(f"{path}: {problem}")
+
+
+# ---------------------------------------------------------------------------- flags
+
+
+def _flag_names(args: list[str]) -> list[tuple[str, str]]:
+    """(flag as written, dotted key) for every ``--section.key`` in ``args``; dashes read as
+    underscores, as tyro reads them."""
+    names = []
+    for arg in args:
+        flag = arg.partition("=")[0]
+        if flag.startswith("--") and "." in flag:
+            names.append((flag, flag[2:].replace("-", "_")))
+    return names
+
+
+def _flag_resolves(key: str, schema: Schema) -> bool:
+    """Whether ``section.key`` names a field (``no_`` before a bool key negates it, as tyro allows)."""
+    *sections, leaf = key.split(".")
+    node: object = schema
+    for section in sections:
+        node = node.get(section) if isinstance(node, dict) else None
+    if not isinstance(node, dict):
+        return False
+    return leaf in node or (leaf.startswith("no_") and node.get(leaf[3:]) is bool)
+
+
+def check_flags(args: list[str], schema: Schema) -> None:
+    """Every ``--section.key`` flag names a field; otherwise a ConfigError with the closest one."""
+    for flag, key in _flag_names(args):
+        if not _flag_resolves(key, schema):
+            match = closest(key, _leaf_names(schema))
+            fix = f"did you mean --{match}?" if match else "--help lists the valid ones"
+            raise ConfigError(f"unknown option {flag}: {fix}")
+
+
+# ---------------------------------------------------------------------------- ConfigManager
+
+_RULE = re.compile(r"^[\s\-─━│┃|╭╮╰╯+]*$")
+"""A row of tyro's error box with no text: a border or a rule, in UTF-8 or ASCII drawing."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SECTION_PREFIX = re.compile(r"^Error parsing (?!--)\S+: ")
+"""tyro's prefix before a section's own error (``Error parsing upipe: invalid upipe.x = ...``)."""
+
+
+def console_error_line(text: str) -> str:
+    """The message of tyro's error box as one line: the first paragraph after its title, without
+    the help text below. tyro draws the box in UTF-8 or ASCII, depending on stdout's encoding."""
+    rows = [row.strip().strip("│|").strip() for row in _ANSI.sub("", text).splitlines()]
+    rows = [row for row in rows if row][1:]  # the title ("Value error") goes
+    message: list[str] = []
+    for row in rows:
+        if _RULE.match(row):
+            if message:
+                break
+            continue
+        message.append(row)
+    return _SECTION_PREFIX.sub("", " ".join(message)) or text.strip()
+
+
+def parse_quietly(args: list[str]):
+    """``ConfigManager().parse_args(args)`` with tyro's console output held back: an error exit
+    becomes a ConfigError of its message; ``--help`` and warnings are passed on unchanged."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            job_config = ConfigManager().parse_args(args)
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise ConfigError(console_error_line(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())
+    return job_config
+
+
+def parse_job_config(args: list[str]):
+    """The JobConfig of ``args`` (``--job.config_file X.toml`` and overrides); raises ConfigError."""
+    path = flag_value(args, CONFIG_FILE_FLAGS)
+    values = load_toml(path) if path else {}
+    job = values.get("job")
+    module = flag_value(args, CONFIG_MODULE_FLAGS) or (job.get("custom_config_module") if isinstance(job, dict) else None)
+    schema = config_schema(module)
+    check_toml(values, schema, path or "")
+    check_flags(args, schema)
+    return parse_quietly(args)
