@@ -1,0 +1,241 @@
+"""Per-rank attention work under document masking: zigzag ring vs. balancing layouts.
+
+Pure arithmetic (``titan_upipe.parallel.document_balance``): for packed sequences of ``S`` tokens
+drawn from a document-length mix, the number of visible (query, key) pairs per ring rank and per
+ring step under block-causal document masking, for
+
+* ``contig``     contiguous shards (what ring would do without zigzag; Ulysses' shard),
+* ``zigzag``     ``ZigzagLayout`` (2R chunks, rank r owns r and 2R-1-r): the trainer's layout,
+* ``snake-k``    k chunks per rank dealt forward/backward (fixed in (S, R), like zigzag),
+* ``greedy-m``   m chunks per rank assigned per batch, heaviest chunk to the lightest rank,
+* ``doczz``      zigzag inside every document of >= ``--min-split`` tokens, short ones fill
+  (``doczz-64K``: the same with 65536; ``doczz-g``: short documents dealt whole, longest first,
+  to the rank with the least work that has room).
+
+Reported per (mix, S, R, layout), over ``--seeds`` batches, all relative to perfect balance:
+
+* ``total``    max/mean of per-rank work (a lower bound for any ring schedule);
+* ``lockstep`` sum_t max_r W[r,t] / (sum W / R): every step as slow as its slowest rank (an
+  upper bound);
+* ``sim``      ``simulate_ring`` (the exchange order of ``titan_upipe/attention/ring.py``):
+  forward + ``--bwd-factor`` x backward attention time, no transfer cost;
+* ``model``    a whole training step: balanced per-token work (``--tok-pairs`` pair-equivalents
+  per token: projections + MLP, fwd + bwd) plus ``sim`` with a transfer of ``--comm-pairs``
+  pair-equivalents per K/V token per ring step (x3 in the backward: bf16 K/V + fp32 dK/dV),
+  over the same with perfectly balanced attention. Defaults: Llama3-8B (7.5e9 params,
+  32 layers, d = 4096, 8 KV heads x 128) with GEMMs and attention at the same FLOP rate and
+  400 TFLOP/s vs 50 GB/s between ring ranks: 6 x 7.5e9 / 32 / (4 x 4096) = 85830 and
+  (4096 B / 50 GB/s) / (4 x 4096 / 400 TFLOP/s) = 2000.
+
+One pair-equivalent is the forward FLOPs of one (query, key) pair in one layer. With USP
+(R ring x U Ulysses) every Ulysses rank does 1/U of its ring rank's work (and 1/U of its
+tokens' per-token work), so all the numbers for R hold for any U.
+
+Example::
+
+    python scripts/bench_document_balance.py --seq-lens 1048576 8388608 --rings 2 4 8 16 --seeds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_upipe.parallel.document_balance import (  # noqa: E402
+    contiguous_intervals,
+    document_zigzag_intervals,
+    greedy_chunk_intervals,
+    imbalance,
+    merge_runs,
+    simulate_ring,
+    step_work,
+    zigzag_intervals,
+)
+
+SHORT_MEDIAN = 2048
+SHORT_SIGMA = 0.9
+SHORT_MIN, SHORT_MAX = 32, 32 * 1024
+LONG_MIN, LONG_MAX = 100 * 1024, 1024 * 1024
+
+
+def short_docs(rng: np.random.Generator, n: int) -> np.ndarray:
+    x = rng.lognormal(np.log(SHORT_MEDIAN), SHORT_SIGMA, size=n)
+    return np.clip(np.round(x), SHORT_MIN, SHORT_MAX).astype(np.int64)
+
+
+def long_docs(rng: np.random.Generator, n: int) -> np.ndarray:
+    return np.round(np.exp(rng.uniform(np.log(LONG_MIN), np.log(LONG_MAX), size=n))).astype(np.int64)
+
+
+def pack(stream: np.ndarray, seq_len: int, rng: np.random.Generator) -> list[int]:
+    """A window of ``seq_len`` tokens of the document stream, starting inside its first document."""
+    offset = int(rng.integers(0, stream[0]))
+    lengths, need = [int(stream[0]) - offset], seq_len - (int(stream[0]) - offset)
+    for L in stream[1:]:
+        if need <= 0:
+            break
+        lengths.append(int(min(L, need)))
+        need -= lengths[-1]
+    if need > 0:
+        raise RuntimeError("stream too short")
+    if lengths[0] > seq_len:
+        lengths = [seq_len]
+    elif sum(lengths) > seq_len:
+        lengths[-1] -= sum(lengths) - seq_len
+    return [L for L in lengths if L > 0]
+
+
+def mixed_stream(rng: np.random.Generator, seq_len: int, p_long: float) -> np.ndarray:
+    n = 4 * seq_len // SHORT_MEDIAN + 16
+    docs = short_docs(rng, n)
+    is_long = rng.random(n) < p_long
+    docs[is_long] = long_docs(rng, int(is_long.sum()))
+    return docs
+
+
+def make_batch(mix: str, seq_len: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    if mix.startswith("mixed-"):
+        return pack(mixed_stream(rng, seq_len, float(mix.split("-")[1])), seq_len, rng)
+    if mix == "all-short":
+        return pack(mixed_stream(rng, seq_len, 0.0), seq_len, rng)
+    if mix == "causal":
+        return [seq_len]
+    if mix in ("long-start", "long-end"):
+        fill = pack(mixed_stream(rng, seq_len, 0.0), seq_len // 2, rng)
+        return [seq_len // 2, *fill] if mix == "long-start" else [*fill, seq_len // 2]
+    raise ValueError(mix)
+
+
+def layouts(lengths: list[int], seq_len: int, R: int, min_split: int) -> dict[str, np.ndarray]:
+    out = {
+        "contig": contiguous_intervals(seq_len, R),
+        "zigzag": zigzag_intervals(seq_len, R, 2),
+        "snake-4": zigzag_intervals(seq_len, R, 4),
+        "snake-8": zigzag_intervals(seq_len, R, 8),
+        "snake-16": zigzag_intervals(seq_len, R, 16),
+        "greedy-4": greedy_chunk_intervals(lengths, R, 4),
+        "greedy-8": greedy_chunk_intervals(lengths, R, 8),
+        "doczz": document_zigzag_intervals(lengths, R, min_split),
+        "doczz-64K": document_zigzag_intervals(lengths, R, 65536),
+        "doczz-g": document_zigzag_intervals(lengths, R, min_split, greedy_fill=True),
+    }
+    return out
+
+
+def _attention_time(w: np.ndarray, comm: float, bwd_factor: float) -> float:
+    """Forward + backward ring pass, the backward moving K/V and fp32 dK/dV (3x the bytes)."""
+    return simulate_ring(w, comm) + simulate_ring(bwd_factor * w, 3 * comm, backward=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1 << 20, 1 << 23])
+    p.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--mixes", nargs="+",
+                   default=["mixed-0.005", "mixed-0.02", "all-short", "long-start", "long-end", "causal"])
+    p.add_argument("--min-split", type=int, default=16384, help="doczz: split documents at least this long")
+    p.add_argument("--tok-pairs", type=float, default=85830.0,
+                   help="balanced per-token work (fwd+bwd) in forward (query, key)-pair FLOPs")
+    p.add_argument("--comm-pairs", type=float, default=2000.0,
+                   help="time to send one token's K/V to the next ring rank, in pair-equivalents")
+    p.add_argument("--bwd-factor", type=float, default=2.5, help="attention backward / forward work")
+    p.add_argument("--json", type=Path, help="write every measurement here")
+    args = p.parse_args()
+
+    t0 = time.time()
+    rows = []
+    stats = {}
+    for mix in args.mixes:
+        for S in args.seq_lens:
+            seeds = [0] if mix == "causal" else list(range(args.seeds))
+            for seed in seeds:
+                lengths = make_batch(mix, S, seed)
+                assert sum(lengths) == S
+                L = np.asarray(lengths)
+                stats.setdefault((mix, S), []).append({
+                    "docs": len(L),
+                    "long_share": float(L[L >= LONG_MIN].sum() / S),
+                    "max_doc": int(L.max()),
+                    "work_vs_causal": float((L * (L + 1) // 2).sum() / (S * (S + 1) / 2)),
+                })
+                for R in args.rings:
+                    for name, lay in layouts(lengths, S, R, args.min_split).items():
+                        W = step_work(lengths, lay, R).astype(float)
+                        imb = imbalance(W)
+                        flat = np.full_like(W, W.sum() / R**2)
+                        bf = args.bwd_factor
+                        sim = ((simulate_ring(W) + simulate_ring(bf * W, backward=True))
+                               / ((1 + bf) * W.sum() / R))
+                        c = args.comm_pairs * S / R
+
+                        lin = args.tok_pairs * S / R
+                        model = (lin + _attention_time(W, c, bf)) / (lin + _attention_time(flat, c, bf))
+                        rows.append({"mix": mix, "S": S, "R": R, "seed": seed, "layout": name,
+                                     "total": imb["total"], "lockstep": imb["stepwise"], "sim": sim,
+                                     "model": model, "comm_bound": bool(3 * c > bf * W.sum() / R**2),
+                                     "runs": int(len(merge_runs(lay)))})
+    elapsed = time.time() - t0
+
+    print(f"# computed in {elapsed:.1f} s; seeds={args.seeds} min_split={args.min_split} "
+          f"tok_pairs={args.tok_pairs} comm_pairs={args.comm_pairs} bwd_factor={args.bwd_factor}")
+    print("\n## Batches\n")
+    print("| mix | S | docs (mean) | longest doc (mean) | tokens in docs >= 100K | doc-masked work / causal work |")
+    print("|---|---|---|---|---|---|")
+    for (mix, S), st in stats.items():
+        print(f"| {mix} | {S} | {np.mean([s['docs'] for s in st]):.0f} | {np.mean([s['max_doc'] for s in st]):.0f} "
+              f"| {np.mean([s['long_share'] for s in st]):.2f} | {np.mean([s['work_vs_causal'] for s in st]):.4f} |")
+
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["mix"], r["S"], r["R"], r["layout"])].append(r)
+    names = list(dict.fromkeys(r["layout"] for r in rows))
+    for metric, title in (("total", "max/mean per-rank attention work"),
+                          ("lockstep", "sum_t max_r W[r,t] / (sum W / R)"),
+                          ("sim", "ring.py schedule, fwd + bwd attention time / balanced (no transfer cost)"),
+                          ("model", f"training-step time / the same with balanced attention "
+                                    f"(tok_pairs={args.tok_pairs:.0f}, comm_pairs={args.comm_pairs:.0f})")):
+        print(f"\n## {metric}: {title}; mean over seeds [worst seed]\n")
+        print("| mix | S | R | " + " | ".join(names) + " |")
+        print("|---|---|---|" + "---|" * len(names))
+        for mix in args.mixes:
+            for S in args.seq_lens:
+                for R in args.rings:
+                    cells = []
+                    for n in names:
+                        v = [g[metric] for g in groups[(mix, S, R, n)]]
+                        cells.append(f"{np.mean(v):.3f}" + (f" [{max(v):.3f}]" if len(v) > 1 else ""))
+                    print(f"| {mix} | {S >> 20}M | {R} | " + " | ".join(cells) + " |")
+    print("\n## Transfer-bound: share of batches whose mean backward step (bwd_factor x sum W / R^2) "
+          "is shorter than its K/V + dK/dV transfer (3 x comm_pairs x S / R)\n")
+    print("| mix | " + " | ".join(f"S={S >> 20}M" for S in args.seq_lens) + " |")
+    print("|---|" + "---|" * len(args.seq_lens))
+    for mix in args.mixes:
+        cells = []
+        for S in args.seq_lens:
+            cells.append(" ".join(f"R{R}:{np.mean([g['comm_bound'] for g in groups[(mix, S, R, 'zigzag')]]):.0%}"
+                                  for R in args.rings))
+        print(f"| {mix} | " + " | ".join(cells) + " |")
+    runs = defaultdict(list)
+    for r in rows:
+        runs[(r["layout"], r["R"])].append(r["runs"])
+    print("\n## Layout size: intervals (runs of consecutive tokens) over all ranks, max over batches\n")
+    print("| layout | " + " | ".join(f"R={R}" for R in args.rings) + " |")
+    print("|---|" + "---|" * len(args.rings))
+    for n in names:
+        print(f"| {n} | " + " | ".join(str(max(runs[(n, R)])) for R in args.rings) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

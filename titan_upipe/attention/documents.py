@@ -1,0 +1,320 @@
+"""Packed documents: block-causal masks over global positions, and exact masked local kernels.
+
+A packed row of ``S`` tokens holds several documents, each one contiguous run. Token ``i``
+of row ``b`` belongs to document ``doc[b, i]``; a query at global position ``i`` sees the key
+at global position ``j`` iff::
+
+    visible[b, i, j] = (j <= i) and (doc[b, i] == doc[b, j])
+
+Positions are *global* indices into the sequence, as a context-parallel layout hands them
+out (``ContiguousLayout.positions(rank)``, ``ZigzagLayout.positions(rank)``), so a rank can
+ask about its own shard or about any (query shard, key shard) block of a ring step.
+
+What is here (single process, no collectives):
+
+* ``DocumentMask``: the document of every token, from document ids (``from_ids``) or from
+  EOS tokens (``from_eos``, TorchTitan's ``block_causal`` rule: the EOS token ends its
+  document, the token after it starts the next); ``visible``, ``block_kind`` (skip / masked /
+  causal / full: whether a block needs the masked kernel at all), ``segments`` and
+  ``cu_seqlens`` (varlen runs of one block), ``positions`` (position inside the document,
+  for datasets that want per-document RoPE; RoPE stays global by default).
+* ``masked_forward`` / ``masked_backward``: exact fp32 attention under an arbitrary
+  ``[B, Sq, Sk]`` mask, honouring the merged out/lse contract of ``backends.py``; rows with
+  no visible key give ``out = 0``, ``lse = -inf`` and zero gradient.
+* ``merge_partial_masked``: ``ring.merge_partial`` that tolerates ``-inf`` on both sides
+  (``merge_partial`` turns two ``-inf`` into NaN: ``exp(-inf - -inf)``).
+* ``segmented_causal_forward`` / ``segmented_causal_backward``: a diagonal block as causal
+  attention on each document segment through a local backend (torch SDPA by default),
+  exact when every document of the block is one segment (``segments_are_exact``).
+
+Tensors use the SDPA layout of ``backends.py``: ``q [B, Hq, Sq, D]``, ``k``/``v``
+``[B, Hkv, Sk, D]``, ``Hq`` a multiple of ``Hkv`` (GQA), ``lse`` fp32 ``[B, Hq, Sq]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from titan_upipe.attention.backends import LocalAttentionBackend, SdpaBackend
+from titan_upipe.errors import ConfigError
+
+Tensor = torch.Tensor
+BlockKindName = Literal["skip", "masked", "causal", "full"]
+Segment = tuple[int, int]
+
+
+def _run_starts(ids: Tensor) -> Tensor:
+    """``[B, S]`` bool: True where a token's id differs from the previous token's (and at 0)."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
+
+
+def _check_ids(document_ids: Tensor) -> None:
+    if document_ids.dim() != 2:
+        raise ConfigError(f"document ids must be [batch, seq_len], got shape {tuple(document_ids.shape)}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise ConfigError(f"document ids must be an integer tensor, got {document_ids.dtype}")
+    if document_ids.shape[1] == 0:
+        raise ConfigError("document ids hold no tokens (seq_len 0)")
+
+
+def _check_contiguous(document_ids: Tensor, starts: Tensor) -> None:
+    """Each id must be one run per row: runs per row == distinct ids per row."""
+    for row in range(document_ids.shape[0]):
+        ids = document_ids[row]
+        run_ids = ids[starts[row]]
+        if run_ids.numel() != torch.unique(ids).numel():
+            values, counts = torch.unique(run_ids, return_counts=True)
+            split = values[counts > 1][0].item()
+            where = (ids == split).nonzero().flatten().tolist()
+            raise ConfigError(
+                f"document id {split} in batch row {row} is not one contiguous run (tokens {where[:8]}"
+                f"{' ...' if len(where) > 8 else ''}): each packed document must occupy consecutive positions")
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentMask:
+    """The document of every token of a packed batch.
+
+    ``doc`` is ``[B, S]`` int64: ``doc[b, i]`` numbers the documents of row ``b`` in order,
+    ``0, 1, ...``, non-decreasing along the row (each document is one contiguous run).
+    """
+
+    doc: Tensor
+
+    @classmethod
+    def from_ids(cls, document_ids: Tensor) -> DocumentMask:
+        """From ``[B, S]`` integer labels: equal label = same document; each label must be one
+        contiguous run per row (ConfigError otherwise). Labels are renumbered ``0, 1, ...``."""
+        _check_ids(document_ids)
+        starts = _run_starts(document_ids)
+        _check_contiguous(document_ids, starts)
+        return cls(torch.cumsum(starts.long(), dim=1) - 1)
+
+    @classmethod
+    def from_eos(cls, tokens: Tensor, eos_id: int) -> DocumentMask:
+        """From ``[B, S]`` token ids: ``doc[b, i]`` = number of EOS tokens at positions ``< i``.
+
+        The EOS token is the last token of its document and the next token starts a new one
+        (TorchTitan's ``block_causal`` rule); a row without EOS is one document, and an EOS at
+        the last position ends the row's last document.
+        """
+        _check_ids(tokens)
+        eos = (tokens == eos_id).long()
+        return cls(torch.cumsum(eos, dim=1) - eos)
+
+    @property
+    def batch(self) -> int:
+        return self.doc.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.doc.shape[1]
+
+    def positions(self) -> Tensor:
+        """``[B, S]`` int64: ``i - start(doc[b, i])``, each token's position inside its document."""
+        index = torch.arange(self.seq_len, device=self.doc.device).expand_as(self.doc)
+        start_index = torch.where(_run_starts(self.doc), index, torch.zeros_like(index))
+        return index - torch.cummax(start_index, dim=1).values
+
+    def _docs_at(self, positions: Tensor) -> Tensor:
+        """``[B, len(positions)]``: the document of each given global position."""
+        positions = positions.to(self.doc.device)
+        if positions.dim() != 1:
+            raise ValueError(f"positions must be 1-D global indices, got shape {tuple(positions.shape)}")
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < self.seq_len:
+            raise ValueError(f"positions outside [0, {self.seq_len})")
+        return self.doc[:, positions]
+
+    def visible(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        """``[B, Sq, Sk]`` bool: ``k_pos[j] <= q_pos[i]`` and the two tokens share a document."""
+        same = self._docs_at(q_positions).unsqueeze(2) == self._docs_at(k_positions).unsqueeze(1)
+        q_pos, k_pos = q_positions.to(self.doc.device), k_positions.to(self.doc.device)
+        return same & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)).unsqueeze(0)
+
+    def block_kind(self, q_positions: Tensor, k_positions: Tensor) -> BlockKindName:
+        """Which kernel a (query positions, key positions) block needs, over every row:
+
+        * ``skip``: no query sees any key (the block contributes nothing);
+        * ``full``: every query sees every key (the unmasked ``causal=False`` kernel);
+        * ``causal``: ``Sq == Sk`` and query ``i`` sees exactly local keys ``[0, i]`` (the
+          unmasked ``causal=True`` kernel);
+        * ``masked``: anything else (``masked_forward`` with ``visible``, or varlen segments).
+        """
+        vis = self.visible(q_positions, k_positions)
+        if not vis.any():
+            return "skip"
+        if vis.all():
+            return "full"
+        sq, sk = vis.shape[1:]
+        if sq == sk and torch.equal(vis, _plain_causal(sq, vis.device).expand_as(vis)):
+            return "causal"
+        return "masked"
+
+    def segments(self, positions: Tensor) -> list[list[Segment]]:
+        """Per row, the local index runs ``[start, stop)`` of ``positions`` that lie in one
+        document and are consecutive in global position (``positions[i+1] == positions[i]+1``)."""
+        docs = self._docs_at(positions)
+        pos = positions.to(self.doc.device)
+        breaks = torch.ones_like(docs, dtype=torch.bool)
+        breaks[:, 1:] = (docs[:, 1:] != docs[:, :-1]) | (pos[1:] != pos[:-1] + 1).unsqueeze(0)
+        n = positions.numel()
+        rows = []
+        for row in breaks:
+            starts = row.nonzero().flatten().tolist()
+            rows.append(list(zip(starts, starts[1:] + [n], strict=True)))
+        return rows
+
+    def cu_seqlens(self, positions: Tensor) -> list[Tensor]:
+        """Per row, int32 ``[n_segments + 1]``: cumulative segment lengths ``0, ..., len(positions)``,
+        the ``cu_seqlens_q`` (= ``cu_seqlens_k``) of a diagonal block for a varlen kernel."""
+        return [torch.tensor([0] + [stop for _, stop in row], dtype=torch.int32) for row in self.segments(positions)]
+
+    def segments_are_exact(self, positions: Tensor) -> bool:
+        """True when ``visible(positions, positions)`` is the union of causal attention inside each
+        segment: no document has two segments in any row (a document split across zigzag chunks
+        would have its later segment's queries see the earlier segment's keys)."""
+        docs = self._docs_at(positions)
+        for row, segs in enumerate(self.segments(positions)):
+            seg_docs = [int(docs[row, start]) for start, _ in segs]
+            if len(set(seg_docs)) != len(seg_docs):
+                return False
+        return True
+
+
+def _plain_causal(n: int, device: torch.device) -> Tensor:
+    """``[n, n]`` bool lower triangle: local query ``i`` sees local keys ``[0, i]``."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact masked kernel (fp32)
+# ---------------------------------------------------------------------------------------------
+
+
+def _grouped_scores(q: Tensor, k: Tensor, scale: float, mask: Tensor) -> Tensor:
+    """``s = scale q k^T`` in fp32, ``-inf`` where ``mask`` is False: ``[B, Hkv, G, Sq, Sk]``,
+    with ``G = Hq / Hkv`` query heads per KV head (GQA)."""
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    if mask.shape != (b, sq, k.shape[2]):
+        raise ValueError(f"mask shape {tuple(mask.shape)}, expected {(b, sq, k.shape[2])}")
+    qg = q.float().reshape(b, hkv, hq // hkv, sq, d)
+    scores = torch.matmul(qg, k.float().unsqueeze(2).transpose(-1, -2)) * scale
+    return scores.masked_fill(~mask[:, None, None], float("-inf"))
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """``lse`` with ``-inf`` (a row with no visible key) replaced by 0, so ``exp(s - lse)`` is
+    ``exp(-inf) = 0`` on that row instead of NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _probabilities(scores: Tensor, lse_g: Tensor) -> Tensor:
+    """``P = exp(s - lse)``, ``[B, Hkv, G, Sq, Sk]``; 0 on masked entries and empty rows."""
+    return torch.exp(scores - _finite(lse_g).unsqueeze(-1))
+
+
+def masked_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``lse_i = log sum_{j: mask_ij} exp(scale q_i . k_j)`` (fp32 ``[B, Hq, Sq]``, ``-inf`` on a
+    row with no visible key) and ``out_i = sum_j exp(scale q_i . k_j - lse_i) v_j`` (q's dtype,
+    ``[B, Hq, Sq, D]``, 0 on such a row). ``mask`` is bool ``[B, Sq, Sk]``, shared by the heads."""
+    scores = _grouped_scores(q, k, scale, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(_probabilities(scores, lse), v.float().unsqueeze(2))
+    b, hq, sq, d = q.shape
+    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+
+
+def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                    mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """This block's gradient given the *merged* ``out``/``lse`` (``backends.py`` contract), fp32::
+
+        P = exp(s - lse) (0 where masked),  delta_i = sum_d dout_id out_id,
+        dS = P * (dout v^T - delta),  dq = scale dS k,  dk = scale dS^T q,  dv = P^T dout
+
+    ``dk``/``dv`` are summed over the query heads of each KV head. A row with ``lse = -inf``
+    or no visible key in this block has ``P = 0``: it contributes nothing."""
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    scores = _grouped_scores(q, k, scale, mask)
+    probs = _probabilities(scores, lse.reshape(b, hkv, hq // hkv, sq))
+    do = dout.float().reshape(b, hkv, hq // hkv, sq, d)
+    delta = (do * out.float().reshape(b, hkv, hq // hkv, sq, d)).sum(dim=-1, keepdim=True)
+    dscores = probs * (torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2)) - delta)
+    dq = torch.matmul(dscores, k.float().unsqueeze(2)) * scale
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float().reshape(b, hkv, hq // hkv, sq, d)).sum(2) * scale
+    dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
+    return dq.reshape(b, hq, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge_partial_masked(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """``ring.merge_partial`` for blocks that may hold rows with no visible key, in place::
+
+        lse' = logaddexp(lse_acc, lse),  out' = e^(lse_acc - lse') out_acc + e^(lse - lse') out
+
+    with ``lse'`` taken as 0 inside the exponentials when both sides are ``-inf``, so such a
+    row stays ``out = 0``, ``lse = -inf`` (``merge_partial`` would give NaN there)."""
+    new_lse = torch.logaddexp(lse_acc, lse)
+    ref = _finite(new_lse)
+    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1))
+    out_acc.add_(out.float() * torch.exp(lse - ref).unsqueeze(-1))
+    lse_acc.copy_(new_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Segmented fast path for diagonal blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_segments(segments: list[list[Segment]], q: Tensor) -> None:
+    if len(segments) != q.shape[0]:
+        raise ValueError(f"{len(segments)} rows of segments for a batch of {q.shape[0]}")
+    for row in segments:
+        covered = [i for start, stop in row for i in range(start, stop)]
+        if covered != list(range(q.shape[2])):
+            raise ValueError(f"segments {row} do not tile [0, {q.shape[2]}) in order")
+
+
+def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+                             backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor]:
+    """A diagonal block (``q``, ``k``, ``v`` of the same positions) as causal attention inside
+    each segment: for row ``b`` and segment ``[a, c)``, ``out[b, :, a:c], lse[b, :, a:c] =
+    backend.forward(q[b, :, a:c], k[b, :, a:c], v[b, :, a:c], causal=True)``.
+
+    Equal to ``masked_forward`` with ``visible(pos, pos)`` when ``segments`` come from
+    ``DocumentMask.segments(pos)`` and ``segments_are_exact(pos)``. ``backend``: torch SDPA
+    by default (any backend of ``backends.py`` works)."""
+    _check_segments(segments, q)
+    backend = SdpaBackend() if backend is None else backend
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    for row, segs in enumerate(segments):
+        for start, stop in segs:
+            piece = (slice(row, row + 1), slice(None), slice(start, stop))
+            o, s = backend.forward(q[piece], k[piece], v[piece], scale, causal=True)
+            out[piece], lse[piece] = o, s
+    return out, lse
+
+
+def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              scale: float, segments: list[list[Segment]],
+                              backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient of ``segmented_causal_forward`` given the merged ``out``/``lse``: each
+    segment's ``backend.backward(..., causal=True)`` written into its rows of ``dq, dk, dv``."""
+    _check_segments(segments, q)
+    backend = SdpaBackend() if backend is None else backend
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for row, segs in enumerate(segments):
+        for start, stop in segs:
+            piece = (slice(row, row + 1), slice(None), slice(start, stop))
+            grads = backend.backward(dout[piece], q[piece], k[piece], v[piece], out[piece],
+                                     lse[piece].contiguous(), scale, causal=True)
+            dq[piece], dk[piece], dv[piece] = grads
+    return dq, dk, dv
