@@ -39,13 +39,15 @@ class Case:
     dtype: str = "float32"
     positions: str = "derived"  # "derived" (None), "1d", "batch" ([B, L] with per-sample offsets)
     backend: str = "sdpa"
-    sabotage: str = ""  # "", "schedule", "positions": must NOT match
+    sabotage: str = ""  # "", "schedule", "positions", "documents" (mask not passed): must NOT match
+    documents: bool = False  # packed documents (``document_ids``) under a document mask
 
     @property
     def id(self) -> str:
         u = "" if self.mode == "ulysses" else f"U{self.heads_per_stage}"
         extra = "".join(f"-{v}" for v in (self.positions if self.positions != "derived" else "",
-                                          self.backend if self.backend != "sdpa" else "", self.sabotage) if v)
+                                          self.backend if self.backend != "sdpa" else "",
+                                          "docs" if self.documents else "", self.sabotage) if v)
         return (f"{self.model}-H{self.n_heads}KV{self.n_kv_heads}-{self.mode}{u}-S{self.seq_len}"
                 f"B{self.batch}-{self.dtype}{extra}")
 
@@ -82,6 +84,15 @@ def _cases(world: int) -> list[Case]:
         Case("qwen3", 16, 16, "upipe", world, world * 4, 1, sabotage="schedule"),
         Case("llama3", 8, 8, "upipe", world, world * 4, 1, sabotage="positions"),
     ]
+    if world in (2, 4):  # packed documents: MHA and GQA, both models, U = C and 2C
+        cases += [
+            Case("llama3", 8, 2, "upipe", world, world * 8, 2, documents=True),
+            Case("qwen3", 16, 4, "upipe", 2 * world, world * 8, 2, documents=True),
+            Case("llama3", 8, 8, "ulysses", None, world * 8, 2, documents=True),
+            Case("qwen3", 8, 8, "ulysses", None, world * 8, 2, documents=True, sabotage="documents"),
+        ]
+    if world == 2:
+        cases.append(Case("qwen3", 8, 2, "upipe", 2, 16, 2, dtype="bfloat16", documents=True))
     if world == 2:  # U/C = 3 heads per rank, groups of 4: stages hold 1 or 2 KV heads
         cases += [Case("qwen3", 24, 6, "upipe", 6, 12, 2), Case("llama3", 24, 6, "upipe", 6, 16, 1)]
     return cases
@@ -109,6 +120,35 @@ def build_reference(model: str, n_heads: int, n_kv_heads: int, max_seq_len: int)
             module.k_norm.weight.uniform_(0.5, 1.5)
         table = precompute_rope_cache(HEAD_DIM, args.max_seq_len, args.rope_theta)
     return module, table
+
+
+def document_ids(batch: int, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` ids: row 0 splits after token 1 (a 1-token document) and after S/2 + 1 (a document
+    across the shard boundaries); row 1 after 3, 4 (1 token) and S - 5; other rows one document."""
+    splits = {0: (1, seq_len // 2 + 1), 1: (3, 4, seq_len - 5)}
+    ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        for start in splits.get(row, ()):
+            ids[row, start:] += 1
+    return ids
+
+
+def document_reference(module, x: torch.Tensor, table, ids: torch.Tensor, grad_y: torch.Tensor):
+    """``reference_results`` with the unconverted module run on each document separately (its
+    tokens at their global positions: RoPE stays global)."""
+    x_ref = x.clone().requires_grad_(True)
+    rows = []
+    for row in range(x.shape[0]):
+        _, counts = torch.unique_consecutive(ids[row], return_counts=True)
+        starts = [0, *torch.cumsum(counts, 0).tolist()]
+        rows.append(torch.cat([module(x_ref[row:row + 1, a:c], table, None, torch.arange(a, c).unsqueeze(0))[0]
+                               for a, c in zip(starts[:-1], starts[1:], strict=True)]))
+    y_ref = torch.stack(rows)
+    y_ref.backward(grad_y)
+    ref = {"out": y_ref.detach(), "dx": x_ref.grad}
+    ref.update({f"d{name}": p.grad.clone() for name, p in module.named_parameters()})
+    module.zero_grad(set_to_none=True)
+    return ref
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -180,7 +220,15 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
 
     module, table, x, grad_y, positions = case_inputs(case, seed)
 
-    ref = reference_results(module, x, table, positions, grad_y)
+    masks = None
+    if case.documents:
+        from titan_upipe.attention.documents import document_mask
+
+        ids = document_ids(case.batch, case.seq_len)
+        ref = document_reference(module, x, table, ids, grad_y)
+        masks = None if case.sabotage == "documents" else document_mask(ids, mesh)
+    else:
+        ref = reference_results(module, x, table, positions, grad_y)
 
     converted = convert_attention(module, case.mode, mesh, heads_per_stage=case.heads_per_stage,
                                   backend=case.backend)
@@ -196,7 +244,7 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
         local_positions = torch.arange(x_local.shape[1])  # every rank claims to start at 0
     else:
         local_positions = None
-    y = converted(x_local, table, None, positions=local_positions)
+    y = converted(x_local, table, masks, positions=local_positions)
     y.backward(shard_sequence(grad_y, mesh, seq_dim=1)[0])
 
     assert all(a is b for a, b in zip(converted.parameters(), module.parameters(), strict=True))

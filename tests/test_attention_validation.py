@@ -141,10 +141,14 @@ def test_sequence_not_divisible_by_cp() -> None:
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "upipe"])
-def test_document_masks_rejected_before_communication(mode: str) -> None:
+def test_other_masks_rejected_before_communication(mode: str) -> None:
     layer = convert_attention(qwen3(), mode, NoCommMesh(2))
-    with pytest.raises(ConfigError, match="document masks come in a later issue"):
+    with pytest.raises(ConfigError, match="attention_masks from titan_upipe.attention.document_mask"):
         layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=object())
+    from titan_upipe.attention.documents import document_mask
+
+    with pytest.raises(ConfigError, match="covers 6 tokens but the sequence has 8"):
+        layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=document_mask(torch.zeros(1, 6, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("attn_type", ["flex", "varlen"])

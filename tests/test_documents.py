@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_upipe.attention.backends import SdpaBackend
 from titan_upipe.attention.documents import (
     DocumentMask,
     masked_backward,
@@ -284,3 +285,29 @@ def test_segmented_path_refuses_segments_that_do_not_tile():
     q, k, v, _ = _tensors(1, 2, 2, 8, 8)
     with pytest.raises(ValueError, match="do not tile"):
         segmented_causal_forward(q, k, v, SCALE, [[(0, 4), (5, 8)]])
+
+
+class _Mesh:
+    """A 1-D CP mesh of 2 without processes, named ``name`` (``ring``: the zigzag ring layout)."""
+
+    ndim = 1
+
+    def __init__(self, name: str) -> None:
+        self.mesh_dim_names = (name,)
+
+    def size(self, dim=None):
+        return 2
+
+
+def test_document_mask_runs_under_the_1d_meshes_and_refuses_ring_layouts_for_now():
+    from titan_upipe.attention.documents import DocumentMaskedBackend, document_mask, masked_backend
+
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
+    assert document_mask(ids, _Mesh("cp")).seq_len == 8
+    with pytest.raises(ConfigError, match="ulysses and upipe .* only so far"):
+        document_mask(ids, _Mesh("ring"))
+    with pytest.raises(ConfigError, match="only so far"):
+        masked_backend(document_mask(ids), SdpaBackend(), ring_degree=2, seq_len=8)
+    backend = masked_backend(document_mask(ids), SdpaBackend(), ring_degree=1, seq_len=8)
+    assert isinstance(backend, DocumentMaskedBackend) and backend.segments == [[(0, 2), (2, 5), (5, 8)]]
+    assert masked_backend(None, backend.inner, ring_degree=2, seq_len=8) is backend.inner

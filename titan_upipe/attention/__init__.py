@@ -1,6 +1,7 @@
 """Context-parallel attention (core layer): DeepSpeed-Ulysses, UPipe (Untied Ulysses), zigzag ring, USP.
 
-Public API: ``convert_attention(module, mode, cp_mesh, heads_per_stage=None, backend="sdpa")``.
+Public API: ``convert_attention(module, mode, cp_mesh, heads_per_stage=None, backend="sdpa")``;
+``document_mask(document_ids, cp_mesh)`` for packed documents (ulysses, upipe).
 See docs/attention.md for the design.
 
 ============== ==========================================================================
@@ -15,6 +16,8 @@ ring, ring_plan zigzag ring attention and its per-step block rule (USP's inner k
 run, projection, collectives   what one attention call needs: Q/K/V projection and RoPE
                per head slice, the all-to-alls
 backends       the local kernels and their contract (sdpa, math, flash_attn 2/3/4, auto)
+documents      packed documents: ``document_mask`` (block-causal ``attention_masks``), the
+               masked and per-document kernels
 contract       the contract check every backend must pass
 validation     input and mesh checks that run before any communication
 memory_model   UPipe's per-stage memory terms (the planner's attention terms)
@@ -23,6 +26,7 @@ comm_model     all-to-all and ring bytes of one attention call
 """
 
 from titan_upipe.attention.backends import BACKENDS, LocalAttentionBackend, get_backend
+from titan_upipe.attention.documents import DocumentMask, document_mask
 from titan_upipe.attention.module import (
     AttentionSpec,
     ContextParallelAttention,
@@ -39,12 +43,14 @@ __all__ = [
     "SUPPORTED_MODES",
     "AttentionSpec",
     "ContextParallelAttention",
+    "DocumentMask",
     "HeadSchedule",
     "LocalAttentionBackend",
     "RingAttentionBackend",
     "Stage",
     "build_schedule",
     "convert_attention",
+    "document_mask",
     "get_backend",
     "valid_cp_degrees",
     "valid_heads_per_stage",

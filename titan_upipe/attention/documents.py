@@ -40,6 +40,7 @@ import torch
 
 from titan_upipe.attention.backends import LocalAttentionBackend, SdpaBackend
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.mesh import mesh_degrees
 
 Tensor = torch.Tensor
 BlockKindName = Literal["skip", "masked", "causal", "full"]
@@ -318,3 +319,72 @@ def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                                      lse[piece].contiguous(), scale, causal=True)
             dq[piece], dk[piece], dv[piece] = grads
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------- the converted attention's masks
+
+
+def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
+    """The public contract: the global ``[B, S]`` document ids of a packed batch (equal id = one
+    document, each one contiguous run) as the ``attention_masks`` a converted attention accepts.
+
+    Query ``i`` attends key ``j`` iff ``j <= i`` and both lie in the same document; RoPE keeps the
+    global positions. Runs under the 1-D CP meshes (``ulysses``, ``upipe``); the ring layouts
+    (``ring``, ``usp``, UPipe inside USP) raise ConfigError until their block plan reads masks."""
+    mask = DocumentMask.from_ids(document_ids)
+    if cp_mesh is not None:
+        check_document_mode(mesh_degrees(cp_mesh)[0])
+    return mask
+
+
+def check_document_mode(ring_degree: int) -> None:
+    if ring_degree > 1:
+        raise ConfigError("document masks run under ulysses and upipe (a 1-D CP mesh) only so far: ring, usp and "
+                          "UPipe inside USP need a document-aware ring plan (docs/benchmarks/document_balance.md); "
+                          "use model.converters 'ulysses' or 'upipe' for packed documents")
+
+
+class DocumentMaskedBackend(LocalAttentionBackend):
+    """``inner`` run causally on each document of a whole head-sharded sequence: block-causal attention.
+
+    After Ulysses' (or a UPipe stage's) all-to-all a rank holds global positions ``0 .. S-1`` of its
+    heads, so every document is one segment ``[a, c)`` of each row and ``out[b, :, a:c], lse[b, :, a:c]
+    = inner.forward(q[b, :, a:c], k[b, :, a:c], v[b, :, a:c], causal=True)``; the backward is each
+    segment's, given the merged out/lse (the contract of ``backends.py``)."""
+
+    def __init__(self, inner: LocalAttentionBackend, mask: DocumentMask) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.merged_backward = inner.merged_backward
+        self.segments = mask.segments(torch.arange(mask.seq_len, device=mask.doc.device))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
+        self._check_causal(causal)
+        return segmented_causal_forward(q, k, v, scale, self.segments, self.inner)
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                 causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        self._check_causal(causal)
+        return segmented_causal_backward(dout, q, k, v, out, lse, scale, self.segments, self.inner)
+
+    @staticmethod
+    def _check_causal(causal: bool) -> None:
+        if not causal:
+            raise ConfigError("a document-masked kernel runs whole sequences (causal blocks) only")
+
+
+def masked_backend(attention_masks: object, backend: LocalAttentionBackend, ring_degree: int,
+                   seq_len: int) -> LocalAttentionBackend:
+    """The kernel one attention call runs: ``backend`` without masks, its document-masked form
+    with a :func:`document_mask`; anything else (a flex ``BlockMask``, varlen metadata) raises."""
+    if attention_masks is None:
+        return backend
+    if not isinstance(attention_masks, DocumentMask):
+        raise ConfigError(
+            f"context-parallel attention takes attention_masks from titan_upipe.attention.document_mask "
+            f"(got {type(attention_masks).__name__}): keep the model's attn_type 'sdpa' and pass document ids")
+    check_document_mode(ring_degree)
+    if attention_masks.seq_len != seq_len:
+        raise ConfigError(f"the document mask covers {attention_masks.seq_len} tokens but the sequence has "
+                          f"{seq_len}: build it from the global [batch, seq_len] batch, before CP sharding")
+    return DocumentMaskedBackend(backend, attention_masks)

@@ -18,6 +18,7 @@ from torchtitan.models.llama3.model.model import Attention as Llama3Attention
 from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import get_backend
+from titan_upipe.attention.documents import masked_backend
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
@@ -25,7 +26,6 @@ from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
 from titan_upipe.attention.validation import (
-    check_attention_masks,
     check_local_inputs,
     check_mesh_for_mode,
     check_ring_sequence,
@@ -66,8 +66,9 @@ class AttentionSpec:
             )
         if module.attn_type != "sdpa":
             raise ConfigError(
-                f"attn_type={module.attn_type!r} uses document masks, which come in a later issue: "
-                "set the model's attn_type to 'sdpa' (causal) for ulysses/upipe"
+                f"attn_type={module.attn_type!r} builds TorchTitan's flex/varlen document masks, which the "
+                "converted attention does not read: keep attn_type 'sdpa' and pass packed documents as "
+                "attention_masks=titan_upipe.attention.documents.document_mask(ids) (ulysses/upipe)"
             )
         biased = [name for name in ("wq", "wk", "wv", "wo") if getattr(module, name).bias is not None]
         if biased:
@@ -165,13 +166,12 @@ class ContextParallelAttention(nn.Module):
             raise ConfigError(f"positions reach {int(positions.max())} but the RoPE table has {table.shape[0]} rows")
 
     def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None) -> Tensor:
-        check_attention_masks(attention_masks)
         check_local_inputs(x, positions, self.cp_degree)
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
+        backend = masked_backend(attention_masks, self.backend, self.ring_degree, x.shape[1] * self.cp_degree)
         local_positions = self._local_positions(x, positions)
         ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
-        backend = self.backend
         if self.ring_degree > 1:
             ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
             rule = {} if self.block_rule is None else {"rule": self.block_rule}

@@ -32,14 +32,6 @@ def check_mesh_for_mode(mode: str, ring: int, ulysses: int, ndim: int, is_ring_m
                           "titan_upipe.parallel.context_parallel_mesh(cp_mesh, 'usp', ulysses_degree)")
 
 
-def check_attention_masks(attention_masks: object) -> None:
-    if attention_masks is not None:
-        raise ConfigError(
-            "context-parallel attention supports plain causal attention only (attention_masks=None, "
-            "model attn_type='sdpa'); document masks come in a later issue"
-        )
-
-
 def check_local_inputs(x: torch.Tensor, positions: torch.Tensor | None, cp_degree: int) -> None:
     if x.dim() != 3:
         raise ConfigError(f"x must be [batch, local_seq_len, dim], got shape {tuple(x.shape)}")
