@@ -280,12 +280,7 @@ def check_validation(job_config) -> None:
         raise ConfigError(f"validation.seq_len = {validation.seq_len} exceeds training.seq_len = "
                           f"{job_config.training.seq_len} (the RoPE table's length): set validation.seq_len <= "
                           f"{job_config.training.seq_len}")
-    layout = cp_layout(job_config)
-    if validation.seq_len % layout.seq_divisor:
-        unit = layout.seq_divisor
-        raise ConfigError(f"validation.seq_len = {validation.seq_len} is not divisible by {unit}, the "
-                          f"{layout.name} layout's unit at CP {layout.cp_degree}: use a multiple of {unit} "
-                          f"(e.g. {validation.seq_len - validation.seq_len % unit or unit})")
+    cp_layout(job_config).check_length(validation.seq_len, "validation.seq_len")
     if validation.dataset not in PLUGIN_DATASETS and validation.dataset not in DATASETS:
         raise ConfigError(f"validation.dataset = {validation.dataset!r} is unknown: valid values are "
                           f"{', '.join(sorted({*PLUGIN_DATASETS, *DATASETS}))}")

@@ -229,14 +229,19 @@ class CPLayout:
         return self.n_heads
 
     def _check_seq_len(self) -> None:
-        if not self.seq_len or self.mode is None or self.seq_len % self.seq_divisor == 0:
+        if self.seq_len:
+            self.check_length(self.seq_len, "training.seq_len")
+
+    def check_length(self, seq_len: int, key: str) -> None:
+        """A sequence of ``seq_len`` tokens (the setting ``key``) can be sharded in this layout."""
+        if self.mode is None or seq_len % self.seq_divisor == 0:
             return
-        unit, seq_len = self.seq_divisor, self.seq_len
+        unit = self.seq_divisor
         what = (f"parallelism.context_parallel_degree = {self.cp_degree}" if self.ring_degree == 1 else
                 f"2 x ring x ulysses = 2 x {self.ring_degree} x {self.ulysses_degree} = {unit} "
                 "(zigzag chunks over the Ulysses ranks)")
         raise ConfigError(
-            f"training.seq_len = {seq_len} is not divisible by {what}: "
+            f"{key} = {seq_len} is not divisible by {what}: "
             f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
         )
 
