@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import sequence_mesh
 from titan_upipe.errors import ConfigError
@@ -40,3 +41,9 @@ def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_me
     labels, _ = shard_sequence(labels, cp_mesh, seq_dim=1)
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
     return inputs, labels, extra_inputs, {"positions": positions}
+
+
+def global_valid_tokens(batch_valid: torch.Tensor, batch_mesh: DeviceMesh | None):
+    """``Σ_d N_d``: the valid tokens of every data-parallel batch, each counted whole (before CP
+    sharding; every CP rank of a batch holds the same count) and summed over the batch mesh."""
+    return batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)

@@ -35,7 +35,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from titan_upipe.cp_inputs import model_sequence_mesh, shard_batch
+from titan_upipe.cp_inputs import global_valid_tokens, model_sequence_mesh, shard_batch
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -87,7 +87,7 @@ class ContextParallelTrainer(Trainer):
         batch_valid = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
         batch_valid = batch_valid.to(self.device)
         batch_mesh = self.parallel_dims.get_optional_mesh("batch")
-        global_valid = batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)
+        global_valid = global_valid_tokens(batch_valid, batch_mesh)
 
         losses = []
         for input_dict, labels in microbatches:

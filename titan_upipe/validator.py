@@ -27,7 +27,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.distributed import utils as dist_utils
 
-from titan_upipe.cp_inputs import model_sequence_mesh, shard_batch
+from titan_upipe.cp_inputs import global_valid_tokens, model_sequence_mesh, shard_batch
 from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
 from titan_upipe.errors import ConfigError
 
@@ -78,7 +78,7 @@ class LayoutValidator(BaseValidator):
             input_dict = {k: v.to(device) for k, v in input_dict.items()}
             labels = labels.to(device)
             batch_valid = (labels != IGNORE_INDEX).sum()
-            global_valid = batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)
+            global_valid = global_valid_tokens(batch_valid, batch_mesh)
             inputs, labels, extra_inputs, extra_kwargs = self._split(input_dict, labels, model_parts)
             with self.validation_context(), self.maybe_enable_amp:
                 loss_sum = self.loss_fn(model(inputs, **extra_inputs, **extra_kwargs), labels)

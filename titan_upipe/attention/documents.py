@@ -34,6 +34,7 @@ Tensors use the SDPA layout of ``backends.py``: ``q [B, Hq, Sq, D]``, ``k``/``v`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -170,6 +171,12 @@ class DocumentMask:
             rows.append(list(zip(starts, starts[1:] + [n], strict=True)))
         return rows
 
+    @cached_property
+    def document_segments(self) -> list[list[Segment]]:
+        """``segments`` of the whole sequence (positions ``0 .. S-1``: each document one run),
+        computed once per mask: every layer's attention of a step reads the same mask."""
+        return self.segments(torch.arange(self.seq_len, device=self.doc.device))
+
     def cu_seqlens(self, positions: Tensor) -> list[Tensor]:
         """Per row, int32 ``[n_segments + 1]``: cumulative segment lengths ``0, ..., len(positions)``,
         the ``cu_seqlens_q`` (= ``cu_seqlens_k``) of a diagonal block for a varlen kernel."""
@@ -278,8 +285,11 @@ def _check_segments(segments: list[list[Segment]], q: Tensor) -> None:
     if len(segments) != q.shape[0]:
         raise ValueError(f"{len(segments)} rows of segments for a batch of {q.shape[0]}")
     for row in segments:
-        covered = [i for start, stop in row for i in range(start, stop)]
-        if covered != list(range(q.shape[2])):
+        # Tiling in order: each run starts where the previous stopped and the last ends at S
+        # (O(segments): this runs in every attention call).
+        bounds = [0, *(b for start, stop in row for b in (start, stop)), q.shape[2]]
+        if not row or any(stop <= start for start, stop in row) or any(
+                bounds[i] != bounds[i + 1] for i in range(0, len(bounds), 2)):
             raise ValueError(f"segments {row} do not tile [0, {q.shape[2]}) in order")
 
 
@@ -356,7 +366,7 @@ class DocumentMaskedBackend(LocalAttentionBackend):
         self.inner = inner
         self.name = inner.name
         self.merged_backward = inner.merged_backward
-        self.segments = mask.segments(torch.arange(mask.seq_len, device=mask.doc.device))
+        self.segments = mask.document_segments
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
         self._check_causal(causal)
