@@ -151,10 +151,13 @@ def test_other_masks_rejected_before_communication(mode: str) -> None:
         layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=document_mask(torch.zeros(1, 6, dtype=torch.long)))
 
 
-@pytest.mark.parametrize("attn_type", ["flex", "varlen"])
-def test_masked_attention_types_rejected_at_conversion(attn_type: str) -> None:
-    with pytest.raises(ConfigError, match="document masks"):
-        convert_attention(llama3(attn_type=attn_type), "upipe", NoCommMesh(2))
+@pytest.mark.parametrize("make, attn_type", [(llama3, "flex"), (llama3, "varlen"), (qwen3, "flex")])
+def test_flex_and_varlen_modules_convert(make, attn_type: str) -> None:
+    """TorchTitan's flex/varlen kernels are replaced like sdpa's (packed documents come as a
+    document_mask, built by the trainer from attn_mask_type; other masks: the test above)."""
+    source = make(attn_type=attn_type)
+    layer = convert_attention(source, "upipe", NoCommMesh(2))
+    assert layer.wq is source.wq and layer.attn_type == "sdpa"
 
 
 def test_unknown_and_unavailable_backends() -> None:

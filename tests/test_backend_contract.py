@@ -23,7 +23,7 @@ import pytest
 import torch
 from aten_sdpa_emulation import EmulatedAtenSdpa, RecomputeBackward
 
-from titan_upipe.attention import backends
+from titan_upipe.attention import backends, flash_backends
 from titan_upipe.attention.backends import (
     AUTO_ORDER,
     BACKENDS,
@@ -188,12 +188,12 @@ def test_a_flash_release_that_renamed_the_scale_is_refused():
         return q
 
     with pytest.raises(ConfigError, match=r"takes no \['softmax_scale'\]"):
-        backends._call_by_name(renamed, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True})
+        flash_backends._call_by_name(renamed, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True})
 
     def current(q, k, v, softmax_scale=None, causal=False, window_size_left=None):
         return softmax_scale
 
-    assert backends._call_by_name(current, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True,
+    assert flash_backends._call_by_name(current, {"q": 1, "k": 2, "v": 3, "softmax_scale": 0.1, "causal": True,
                                             "window_size": (-1, -1)}) == 0.1
 
 

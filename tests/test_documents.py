@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_upipe.attention.backends import SdpaBackend
 from titan_upipe.attention.documents import (
     DocumentMask,
     masked_backward,
@@ -299,15 +298,84 @@ class _Mesh:
         return 2
 
 
-def test_document_mask_runs_under_the_1d_meshes_and_refuses_ring_layouts_for_now():
-    from titan_upipe.attention.documents import DocumentMaskedBackend, document_mask, masked_backend
+def test_document_mask_checks_the_layout_and_masks_their_length():
+    from titan_upipe.attention.documents import check_attention_masks, document_mask
 
     ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
     assert document_mask(ids, _Mesh("cp")).seq_len == 8
-    with pytest.raises(ConfigError, match="ulysses and upipe .* only so far"):
-        document_mask(ids, _Mesh("ring"))
-    with pytest.raises(ConfigError, match="only so far"):
-        masked_backend(document_mask(ids), SdpaBackend(), ring_degree=2, seq_len=8)
-    backend = masked_backend(document_mask(ids), SdpaBackend(), ring_degree=1, seq_len=8)
-    assert isinstance(backend, DocumentMaskedBackend) and backend.segments == [[(0, 2), (2, 5), (5, 8)]]
-    assert masked_backend(None, backend.inner, ring_degree=2, seq_len=8) is backend.inner
+    assert document_mask(ids, _Mesh("ring")).seq_len == 8  # zigzag over 2 ranks: 4 chunks of 2
+    with pytest.raises(ConfigError, match="not divisible"):
+        document_mask(ids[:, :6], _Mesh("ring"))  # 6 tokens do not make 4 zigzag chunks
+    mask = document_mask(ids)
+    assert check_attention_masks(None, 8) is None and check_attention_masks(mask, 8) is mask
+    assert mask.document_segments == [[(0, 2), (2, 5), (5, 8)]]
+    with pytest.raises(ConfigError, match="covers 8 tokens but the sequence has 16"):
+        check_attention_masks(mask, 16)
+    with pytest.raises(ConfigError, match="document_mask"):
+        check_attention_masks(torch.ones(8, 8, dtype=torch.bool), 8)
+
+
+def _ring_local_positions(rank: int, ring: int, slot: int) -> torch.Tensor:
+    from titan_upipe.attention.ring_plan import zigzag_chunks
+
+    return torch.cat([torch.arange(c * slot, (c + 1) * slot) for c in zigzag_chunks(rank, ring)])
+
+
+def _plan_coverage(calls, batch: int, slot: int) -> torch.Tensor:
+    """``[B, 2L, 2L]`` int: how many calls cover each (ring-local query, held key) pair."""
+    from titan_upipe.attention.ring_plan import DiagonalCall
+
+    cover = torch.zeros(batch, 2 * slot, 2 * slot, dtype=torch.long)
+    for call in calls:
+        if isinstance(call, DiagonalCall):
+            for row, runs in enumerate(call.segments):
+                for a, c in runs:
+                    off = call.slot * slot
+                    cover[row, off + a:off + c, off + a:off + c] += _plain_causal_long(c - a)
+        else:
+            q0, k0 = call.q_slot * slot, call.kv_slot * slot
+            cover[call.row, q0 + call.q[0]:q0 + call.q[1], k0 + call.kv[0]:k0 + call.kv[1]] += 1
+    return cover
+
+
+def _plain_causal_long(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.long).tril()
+
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 4])
+def test_document_ring_plan_covers_exactly_the_visible_pairs(ring):
+    """Over every rank and step, the plan's calls cover each visible (query, key) pair exactly once
+    and nothing else: ids with 1-token documents, documents across chunk and rank boundaries, and
+    one row that is a single document (the causal plan's blocks)."""
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls, kv_source
+
+    slot = 5
+    seq = 2 * ring * slot
+    gen = torch.Generator().manual_seed(ring)
+    ids = torch.zeros(3, seq, dtype=torch.long)
+    for row, n_splits in ((0, 3), (1, seq // 3)):
+        for start in torch.randperm(seq - 1, generator=gen)[:n_splits] + 1:
+            ids[row, int(start):] += 1
+    ids[0, 1:] += 1  # a 1-token document at position 0
+    mask = DocumentMask.from_ids(ids)
+    rectangles = 0
+    for rank in range(ring):
+        q_pos = _ring_local_positions(rank, ring, slot)
+        for step in range(ring):
+            calls = document_step_calls(rank, ring, step, slot, mask.document_segments)
+            rectangles += sum(isinstance(c, RectangleCall) for c in calls)
+            kv_pos = _ring_local_positions(kv_source(rank, ring, step), ring, slot)
+            cover = _plan_coverage(calls, 3, slot)
+            assert torch.equal(cover, mask.visible(q_pos, kv_pos).long()), (rank, step)
+    assert ring == 1 or rectangles > 0
+
+
+def test_document_ring_plan_skips_blocks_with_no_visible_key():
+    """Two documents, each within one ring rank's chunks, at R = 2: no rectangle crosses them."""
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
+
+    documents = [[(0, 4), (4, 8)]]  # chunks of 2 tokens: rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
+    calls = document_step_calls(1, 2, 1, 2, documents)  # rank 1 holds rank 0's K/V (chunks 0, 3)
+    assert calls == (RectangleCall(0, 0, 0, (0, 2), (0, 2)),)  # chunk 1 sees chunk 0 (document 0)
+    assert document_step_calls(0, 2, 1, 2, documents) == (RectangleCall(0, 1, 1, (0, 2), (0, 2)),)
+    assert document_step_calls(0, 2, 1, 2, [[(0, 2), (2, 6), (6, 8)]]) == ()  # chunk 3 starts document 2

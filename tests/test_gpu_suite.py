@@ -134,6 +134,9 @@ def test_kernels_stage_runs_on_cpu_and_writes_its_report(tmp_path):
     assert checks == {"contract", "fused_ce", "offload_streams", "bf16_parity", "compile"}
     skipped = {r["case"] for r in report.results if r["skipped"]}
     assert {"flash_attn4", "flash_attn3", "flash_attn", "liger"} <= skipped  # no CUDA here: said, not hidden
+    varlen = [r for r in report.results if r["check"] == "varlen"]  # packed documents' kernels: none on CPU
+    assert [r["case"] for r in varlen] == ["flash_attn4", "flash_attn3", "flash_attn"]
+    assert all(r["skipped"] and r["detail"] for r in varlen)
     json_path, md_path = report.write(tmp_path)
     saved = json.loads(json_path.read_text())
     assert saved["ok"] and saved["environment"]["torch"] == torch.__version__

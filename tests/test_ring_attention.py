@@ -43,8 +43,9 @@ class RingCase:
     dtype: str = "float32"
     backend: str = "sdpa"
     positions: str = "derived"  # "derived" (None) or "batch" (explicit [B, L], per-sample offsets)
-    sabotage: str = ""  # "", "block_rule", "layout", "recompute_backward": must NOT match
+    sabotage: str = ""  # "", "block_rule", "layout", "recompute_backward", "document_plan": must NOT match
     kernel: str = ""  # "" (the backend's own) or "cuda_emulated"
+    documents: bool = False  # packed documents under a document mask (reference: each document alone)
 
     @property
     def world(self) -> int:
@@ -54,7 +55,8 @@ class RingCase:
     def id(self) -> str:
         u = f"U{self.heads_per_stage}" if self.mode == "upipe" else ""
         extra = "".join(f"-{v}" for v in (self.backend if self.backend != "sdpa" else "", self.kernel,
-                                          self.positions if self.positions != "derived" else "", self.sabotage) if v)
+                                          self.positions if self.positions != "derived" else "",
+                                          "docs" if self.documents else "", self.sabotage) if v)
         return (f"{self.model}-H{self.n_heads}KV{self.n_kv_heads}-{self.mode}{u}-R{self.ring}xU{self.ulysses}"
                 f"-S{self.seq_len}B{self.batch}-{self.dtype}{extra}")
 
@@ -92,6 +94,17 @@ CASES = [
     RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, heads_per_stage=2, kernel="cuda_emulated"),
     RingCase("llama3", 8, 2, "ring", 4, 1, 32, sabotage="recompute_backward"),
     RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, heads_per_stage=2, sabotage="recompute_backward"),
+    # packed documents (test_attention_parity.document_ids: 1-token documents, documents across
+    # chunk and rank boundaries, different splits per row) against each document run alone
+    RingCase("llama3", 8, 2, "ring", 2, 1, 16, batch=2, documents=True),
+    RingCase("qwen3", 8, 8, "ring", 4, 1, 32, batch=2, documents=True),
+    RingCase("qwen3", 8, 2, "upipe", 2, 1, 16, batch=2, heads_per_stage=2, documents=True),
+    RingCase("llama3", 8, 2, "usp", 2, 2, 32, batch=2, documents=True),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, batch=2, heads_per_stage=2, documents=True),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, batch=2, heads_per_stage=2, dtype="bfloat16", documents=True),
+    RingCase("llama3", 16, 4, "upipe", 2, 4, 32, batch=2, heads_per_stage=4, documents=True),
+    RingCase("qwen3", 8, 8, "upipe", 4, 2, 32, batch=2, heads_per_stage=8, documents=True),
+    RingCase("llama3", 8, 2, "ring", 2, 1, 16, batch=2, documents=True, sabotage="document_plan"),
 ]
 
 
@@ -99,6 +112,18 @@ def _diagonal_as_full(q_chunk: int, kv_chunk: int):
     from titan_upipe.attention.ring_plan import BlockKind
 
     return BlockKind.FULL if kv_chunk <= q_chunk else BlockKind.SKIP
+
+
+def _rectangles_as_whole_blocks(ring_rank, ring_size, step, slot_len, documents):
+    """The document plan with every rectangle widened to its whole block pair: queries see
+    earlier chunks' keys of other documents."""
+    import dataclasses
+
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
+
+    calls = document_step_calls(ring_rank, ring_size, step, slot_len, documents)
+    return tuple(dataclasses.replace(c, q=(0, slot_len), kv=(0, slot_len)) if isinstance(c, RectangleCall) else c
+                 for c in calls)
 
 
 def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
@@ -109,12 +134,24 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     mesh = context_parallel_mesh(world_mesh, case.mode, ulysses_degree)
     module, table, x, grad_y, positions = case_inputs(case, seed)
 
-    ref = reference_results(module, x, table, positions, grad_y)
+    masks = None
+    if case.documents:
+        from test_attention_parity import document_ids, document_reference
+
+        from titan_upipe.attention import document_mask
+
+        ids = document_ids(case.batch, case.seq_len)
+        ref = document_reference(module, x, table, ids, grad_y)
+        masks = document_mask(ids, mesh)
+    else:
+        ref = reference_results(module, x, table, positions, grad_y)
 
     converted = convert_attention(module, case.mode, mesh, heads_per_stage=case.heads_per_stage, backend=case.backend)
     assert converted.cp_degree == case.world and converted.ring_degree == case.ring
     if case.sabotage == "block_rule":
         converted.block_rule = _diagonal_as_full
+    if case.sabotage == "document_plan":
+        converted.document_plan = _rectangles_as_whole_blocks
     if case.kernel == "cuda_emulated" or case.sabotage == "recompute_backward":
         from aten_sdpa_emulation import EmulatedAtenSdpa, RecomputeBackward
 
@@ -137,7 +174,7 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     x_local.requires_grad_(True)
     if positions is not None:
         local_positions = shard(positions)[0]
-    y = converted(x_local, table, None, positions=local_positions)
+    y = converted(x_local, table, masks, positions=local_positions)
     y.backward(shard(grad_y)[0])
 
     return parallel_errors(converted, y, x_local, gather, world_mesh.get_group(), ref)
@@ -186,5 +223,12 @@ def test_matrix_covers_the_issue() -> None:
     assert any(c.heads_per_stage == c.n_heads for c in sound if c.mode == "upipe")
     assert {c.model for c in sound} == {"llama3", "qwen3"}
     assert any(c.n_heads == c.n_kv_heads for c in sound) and any(c.n_heads > c.n_kv_heads for c in sound)
+    documents = [c for c in sound if c.documents]
+    assert {(c.mode, c.ring, c.ulysses) for c in documents} >= {
+        ("ring", 2, 1), ("ring", 4, 1), ("usp", 2, 2), ("upipe", 2, 1), ("upipe", 2, 2), ("upipe", 2, 4),
+        ("upipe", 4, 2)}
+    assert {c.model for c in documents} == {"llama3", "qwen3"} and {c.dtype for c in documents} == {
+        "float32", "bfloat16"}
+    assert any(c.n_heads == c.n_kv_heads for c in documents) and any(c.n_heads > c.n_kv_heads for c in documents)
     emulated = [c for c in sound if c.kernel == "cuda_emulated"]
     assert {c.mode for c in emulated} == {"ring", "upipe"} and {c.dtype for c in emulated} == {"float32", "bfloat16"}

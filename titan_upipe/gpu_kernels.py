@@ -27,6 +27,7 @@ from torchtitan.models.llama3.model.model import Transformer
 from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
 from titan_upipe.attention.contract import ERROR_FACTOR, check_contract, contract_cases
+from titan_upipe.attention.varlen_contract import check_varlen, varlen_cases
 from titan_upipe.compile_parts import compile_parts
 from titan_upipe.transforms.fused_ce import (
     ChunkedLinearCrossEntropy,
@@ -98,6 +99,43 @@ def contract_checks(device: str) -> list[dict]:
             results.append(_result("contract", f"{name} {case.id}", r.ok,
                                    f"worst {worst}: whole {r.whole[worst]:.2e}, split {r.split[worst]:.2e}, "
                                    f"allowed {r.allowed[worst]:.2e}"))
+    return results
+
+
+# --- the varlen kernels (packed documents) --------------------------------------------------------
+
+
+def varlen_checks(device: str) -> list[dict]:
+    """Every installed flash-attn backend's varlen call over packed documents (bf16, a 1-token
+    document in each row) against its per-document dense calls and fp32 masked attention
+    (``titan_upipe.attention.varlen_contract``); a backend that cannot run here is skipped with why."""
+    results = []
+    for name in AUTO_ORDER:
+        cls = BACKENDS[name]
+        if not cls.varlen:
+            continue
+        reason = cls.unavailable_reason() if device == "cuda" else "runs on CUDA tensors only"
+        if reason is not None:
+            results.append(_result("varlen", name, True, reason, skipped=True))
+            continue
+        results += varlen_backend_checks(cls(), device)
+    return results
+
+
+def varlen_backend_checks(backend, device: str) -> list[dict]:
+    """One backend's varlen cases; a case that raises (a kernel without a varlen backward on this
+    GPU, a release whose signature does not match) is a failed case, the others still run."""
+    results = []
+    for case in varlen_cases(torch.bfloat16):
+        try:
+            r = check_varlen(backend, case, device)
+        except Exception as exc:
+            results.append(_result("varlen", f"{backend.name} {case.id}", False, f"{type(exc).__name__}: {exc}"))
+            continue
+        worst = r.worst()
+        results.append(_result("varlen", f"{backend.name} {case.id}", r.ok,
+                               f"worst {worst}: varlen {r.varlen[worst]:.2e}, per-document {r.loop[worst]:.2e}, "
+                               f"allowed {r.allowed[worst]:.2e}; documents {r.lengths}"))
     return results
 
 
@@ -294,7 +332,7 @@ def compile_checks(device: str) -> list[dict]:
                     ok, detail)]
 
 
-CHECKS = {"contract": contract_checks, "fused_ce": fused_ce_checks, "offload_streams": offload_checks,
+CHECKS = {"contract": contract_checks, "varlen": varlen_checks, "fused_ce": fused_ce_checks, "offload_streams": offload_checks,
           "bf16_parity": parity_checks, "compile": compile_checks}
 
 

@@ -12,11 +12,14 @@ importing the plugin.
 stage       runs
 =========== ========================================================================================
 kernels     the backend contract (``titan_upipe.attention.contract``) for every backend usable here,
-            bf16 and fp32; Liger's fused linear+CE against the chunked torch loss; the offloaded
-            checkpoint's CUDA streams round trip (gradients bit-exact); one bf16 step of a debug model
-            with every converter (UPipe on a 1-rank mesh, tiled MLP/RMSNorm, fused RoPE/CE, offloaded
-            AC) against the unconverted model; one bf16 step of the UPipe model with ``compile.enable``'s
-            compiled norms and feed-forwards (inductor) against the same model eager
+            bf16 and fp32; the varlen kernels' contract (``titan_upipe.attention.varlen_contract``:
+            packed documents in one varlen call against per-document calls and fp32 masked
+            attention, bf16, for each flash-attn backend installed); Liger's fused linear+CE against
+            the chunked torch loss; the offloaded checkpoint's CUDA streams round trip (gradients
+            bit-exact); one bf16 step of a debug model with every converter (UPipe on a 1-rank mesh,
+            tiled MLP/RMSNorm, fused RoPE/CE, offloaded AC) against the unconverted model; one bf16
+            step of the UPipe model with ``compile.enable``'s compiled norms and feed-forwards
+            (inductor) against the same model eager
 memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
             C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
@@ -128,7 +131,7 @@ def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
 
     if stage == "kernels":
         return [Run("kernels", name, estimate_s=est) for name, est in
-                (("contract", 60), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
+                (("contract", 60), ("varlen", 30), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
                  ("compile", 90))]
     if stage == "memory":
         # length-major: a call that covers the short lengths covers both methods there

@@ -1,7 +1,7 @@
 """Context-parallel attention (core layer): DeepSpeed-Ulysses, UPipe (Untied Ulysses), zigzag ring, USP.
 
 Public API: ``convert_attention(module, mode, cp_mesh, heads_per_stage=None, backend="sdpa")``;
-``document_mask(document_ids, cp_mesh)`` for packed documents (ulysses, upipe).
+``document_mask(document_ids, cp_mesh)`` for packed documents (every mode).
 See docs/attention.md for the design.
 
 ============== ==========================================================================
@@ -12,10 +12,11 @@ module         ``convert_attention``, ``ContextParallelAttention``: a TorchTitan
 schedule       UPipe's GQA-aware head schedule (stages of U query heads)
 ulysses        Ulysses attention (all-to-all, kernel, all-to-all)
 upipe          UPipe's autograd function: stage by stage, forward and backward
-ring, ring_plan zigzag ring attention and its per-step block rule (USP's inner kernel)
+ring, ring_plan zigzag ring attention, its per-step block plan (causal or per document)
 run, projection, collectives   what one attention call needs: Q/K/V projection and RoPE
                per head slice, the all-to-alls
-backends       the local kernels and their contract (sdpa, math, flash_attn 2/3/4, auto)
+backends       the local kernels and their contract (sdpa, math, auto; base class in
+               backend_base, flash_attn 2/3/4 in flash_backends)
 documents      packed documents: ``document_mask`` (block-causal ``attention_masks``), the
                masked and per-document kernels
 contract       the contract check every backend must pass

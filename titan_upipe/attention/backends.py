@@ -18,6 +18,11 @@ The contract every backend honours (``tests/test_backend_contract.py`` checks it
   and wrong for ring/USP: such a backend sets ``merged_backward = False`` and is refused
   for ring modes at conversion.
 
+Backends with ``varlen`` (the flash-attn ones) also run ``varlen_forward``/``varlen_backward``:
+causal attention inside each of many sequences packed end to end (``cu_seqlens``) in one kernel
+call, on packed ``[T, H, D]`` tensors with lse ``[Hq, T]`` (flash-attn's varlen layout), under the
+same merged out/lse contract. Packed documents on CUDA run on them (``documents.py``).
+
 Every call is either causal (``causal=True``: a diagonal block, ``q`` and ``k`` of the same
 length, query ``i`` sees keys ``[0, i]``) or full (``causal=False``: every query sees every
 key, the off-diagonal blocks of ring attention).
@@ -53,79 +58,25 @@ user made, logged with the reasons the faster backends were passed over).
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import inspect
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
+from titan_upipe.attention.backend_base import (  # noqa: F401  (re-exported: the backends' home)
+    HALF_DTYPES,
+    LocalAttentionBackend,
+    Tensor,
+    expand_kv,
+    fold_kv_grad,
+)
+from titan_upipe.attention.flash_backends import (  # noqa: F401
+    FlashAttn2Backend,
+    FlashAttn3Backend,
+    FlashAttn4Backend,
+)
 from titan_upipe.errors import ConfigError
-
-Tensor = torch.Tensor
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class LocalAttentionBackend(ABC):
-    """Causal (or full, for ring blocks) attention on head-sharded tensors."""
-
-    name: ClassVar[str]
-    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
-    """Input dtypes the kernel runs; None: every floating dtype."""
-    merged_backward: ClassVar[bool] = True
-    """True when ``backward`` honours a merged ``out``/``lse`` (the module docstring's contract);
-    ring/USP conversion refuses a backend without it."""
-
-    @classmethod
-    def unavailable_reason(cls, probe: bool = True) -> str | None:
-        """None when usable here, else why not. ``probe=False`` imports nothing and asks CUDA
-        nothing (the check before process groups start, which may run on a machine without a
-        GPU); conversion probes fully."""
-        return None
-
-    @classmethod
-    def dtype_problem(cls, dtype: torch.dtype | None) -> str | None:
-        """None when the kernel runs ``dtype`` (or it is not known yet), else why not."""
-        if dtype is None or cls.dtypes is None or dtype in cls.dtypes:
-            return None
-        valid = ", ".join(str(d).removeprefix("torch.") for d in cls.dtypes)
-        return (f"{cls.name} runs {valid} inputs, not {str(dtype).removeprefix('torch.')}: "
-                "train in bf16 (training.mixed_precision_param = 'bfloat16') or use attention_backend 'sdpa'")
-
-    def check_inputs(self, q: Tensor) -> None:
-        problem = self.dtype_problem(q.dtype)
-        if problem is not None:
-            raise ConfigError(problem)
-
-    @abstractmethod
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
-        """Return ``out`` ``[B, Hq, S, D]`` (dtype of q) and ``lse`` fp32 ``[B, Hq, S]``."""
-
-    @abstractmethod
-    def backward(
-        self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-        causal: bool = True,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return ``dq, dk, dv`` shaped like ``q, k, v``: this block's share of the gradient
-        given the merged ``out``/``lse`` (module docstring)."""
-
-
-def expand_kv(t: Tensor, n_rep: int) -> Tensor:
-    """``[B, Hkv, S, D] -> [B, Hkv * n_rep, S, D]``, KV head ``h`` serving query heads ``h*n_rep ...``."""
-    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
-
-
-def fold_kv_grad(grad: Tensor, n_rep: int) -> Tensor:
-    """The inverse of ``expand_kv`` for gradients: sum each KV head's ``n_rep`` copies (fp32)."""
-    if n_rep == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // n_rep, n_rep, s, d).sum(dim=2, dtype=torch.float32).to(grad.dtype)
 
 
 class MathBackend(LocalAttentionBackend):
@@ -310,161 +261,6 @@ class SdpaBackend(LocalAttentionBackend):
 
     def backward(self, dout, q, k, v, out, lse, scale, causal=True):
         return self._kernels(q).backward(dout, q, k, v, out, lse, scale, causal)
-
-
-ESSENTIAL_ARGUMENTS = ("softmax_scale", "causal")
-"""Arguments a flash-attn internal must accept by these names: dropped silently (a release that
-renamed one), the kernel would run with its default scale or mask."""
-
-
-def _call_by_name(fn: Callable[..., Any], values: dict[str, Any]) -> Any:
-    """Call a flash-attn internal whose positional signature changes between releases,
-    binding our arguments by parameter name and leaving the rest at their defaults (``values``
-    may name alternatives a release does not have, e.g. ``window_size`` or its two halves)."""
-    params = inspect.signature(fn).parameters
-    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values
-               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    unknown = [n for n in ESSENTIAL_ARGUMENTS if n in values and n not in params]
-    if missing or unknown:
-        raise ConfigError(f"{fn.__module__}.{fn.__name__} needs arguments {missing} this backend does not know"
-                          if missing else f"{fn.__module__}.{fn.__name__} takes no {unknown}: this release of the "
-                          "package does not match the backend (a scale or mask would be dropped)")
-    return fn(**{n: v for n, v in values.items() if n in params})
-
-
-class _FlashAttnFamily(LocalAttentionBackend):
-    """flash-attn kernels: ``[B, S, H, D]`` layout, native GQA, LSE ``[B, H, S]`` fp32."""
-
-    module_name: ClassVar[str]
-    distribution: ClassVar[str]
-    """The PyPI distribution that provides ``module_name`` (looked up without importing it)."""
-    capabilities: ClassVar[tuple[int, ...]]
-    """CUDA compute-capability majors the forward *and* backward kernels support."""
-    dtypes = HALF_DTYPES
-
-    @classmethod
-    def _module(cls):
-        return importlib.import_module(cls.module_name)
-
-    @classmethod
-    def installed(cls) -> bool:
-        """The package is installed (metadata only: nothing imported, no CUDA touched)."""
-        try:
-            importlib.metadata.distribution(cls.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return False
-        return True
-
-    @classmethod
-    def unavailable_reason(cls, probe: bool = True) -> str | None:
-        # Without probing (before process groups, possibly on a login node without a GPU) only
-        # the package's metadata is read; the device is probed at conversion.
-        if probe and not torch.cuda.is_available():
-            return f"{cls.name} needs a CUDA device"
-        if not cls.installed():
-            return f"{cls.name} needs the {cls.distribution!r} package (pip install {cls.distribution})"
-        if not probe:
-            return None
-        major = torch.cuda.get_device_capability()[0]
-        if major not in cls.capabilities:
-            return (f"{cls.name} supports compute capability {'/'.join(f'{m}.x' for m in cls.capabilities)}, "
-                    f"this GPU is {major}.x")
-        try:
-            cls._module()
-        except Exception as exc:  # an ImportError, or a CUDA build that does not match torch
-            return (f"{cls.name} needs the {cls.distribution!r} package importable as {cls.module_name!r} "
-                    f"({type(exc).__name__}: {exc})")
-        return None
-
-    @staticmethod
-    def _bshd(t: Tensor) -> Tensor:
-        t = t.transpose(1, 2)
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    @staticmethod
-    def _window() -> dict[str, Any]:
-        return {"window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1}
-
-
-class FlashAttn2Backend(_FlashAttnFamily):
-    name = "flash_attn"
-    module_name = "flash_attn.flash_attn_interface"
-    distribution = "flash-attn"
-    capabilities = (8, 9)
-
-    def forward(self, q, k, v, scale, causal=True):
-        self.check_inputs(q)
-        fa = self._module()
-        qb, kb, vb = self._bshd(q), self._bshd(k), self._bshd(v)
-        res = _call_by_name(fa._flash_attn_forward, {
-            "q": qb, "k": kb, "v": vb, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
-            "softcap": 0.0, "alibi_slopes": None, "return_softmax": False, **self._window()})
-        return res[0].transpose(1, 2), res[1]
-
-    def backward(self, dout, q, k, v, out, lse, scale, causal=True):
-        fa = self._module()
-        qb, kb, vb = self._bshd(q), self._bshd(k), self._bshd(v)
-        dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-        _call_by_name(fa._flash_attn_backward, {
-            "dout": self._bshd(dout), "q": qb, "k": kb, "v": vb, "out": self._bshd(out), "softmax_lse": lse,
-            "dq": dq, "dk": dk, "dv": dv, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
-            "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None, **self._window()})
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-class FlashAttn3Backend(_FlashAttnFamily):
-    name = "flash_attn3"
-    module_name = "flash_attn_interface"
-    distribution = "flash_attn_3"
-    capabilities = (9,)
-
-    def forward(self, q, k, v, scale, causal=True):
-        self.check_inputs(q)
-        fa = self._module()
-        res = _call_by_name(fa._flash_attn_forward, {
-            "q": self._bshd(q), "k": self._bshd(k), "v": self._bshd(v), "softmax_scale": scale,
-            "causal": causal, **self._window()})
-        return res[0].transpose(1, 2), res[1]
-
-    def backward(self, dout, q, k, v, out, lse, scale, causal=True):
-        fa = self._module()
-        qb, kb, vb = self._bshd(q), self._bshd(k), self._bshd(v)
-        dq, dk, dv = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-        _call_by_name(fa._flash_attn_backward, {
-            "dout": self._bshd(dout), "q": qb, "k": kb, "v": vb, "out": self._bshd(out), "softmax_lse": lse,
-            "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale, "causal": causal, "deterministic": False,
-            **self._window()})
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-class FlashAttn4Backend(_FlashAttnFamily):
-    """FlashAttention-4 (``pip install flash-attn-4``, CuTe DSL, kernels compiled at first use).
-
-    ``flash_attn.cute.interface._flash_attn_fwd(q, k, v, softmax_scale=, causal=, return_lse=True)``
-    returns ``(out [B, S, H, D], lse [B, H, S] fp32, ...)``; ``_flash_attn_bwd(q, k, v, out, dout,
-    lse, softmax_scale=, causal=)`` returns ``(dq, dk, dv)`` with dK/dV already summed over a GQA
-    group. Its backward runs on compute capability 9.x-12.x, fp16/bf16 only.
-    """
-
-    name = "flash_attn4"
-    module_name = "flash_attn.cute.interface"
-    distribution = "flash-attn-4"
-    capabilities = (9, 10, 11, 12)
-
-    def forward(self, q, k, v, scale, causal=True):
-        self.check_inputs(q)
-        fa = self._module()
-        out, lse = _call_by_name(fa._flash_attn_fwd, {
-            "q": self._bshd(q), "k": self._bshd(k), "v": self._bshd(v), "softmax_scale": scale,
-            "causal": causal, "return_lse": True})[:2]
-        return out.transpose(1, 2), lse
-
-    def backward(self, dout, q, k, v, out, lse, scale, causal=True):
-        fa = self._module()
-        dq, dk, dv = _call_by_name(fa._flash_attn_bwd, {
-            "q": self._bshd(q), "k": self._bshd(k), "v": self._bshd(v), "out": self._bshd(out),
-            "dout": self._bshd(dout), "lse": lse.contiguous(), "softmax_scale": scale, "causal": causal})[:3]
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 BACKENDS: dict[str, type[LocalAttentionBackend]] = {

@@ -25,7 +25,9 @@ What is here (single process, no collectives):
   (``merge_partial`` turns two ``-inf`` into NaN: ``exp(-inf - -inf)``).
 * ``segmented_causal_forward`` / ``segmented_causal_backward``: a diagonal block as causal
   attention on each document segment through a local backend (torch SDPA by default),
-  exact when every document of the block is one segment (``segments_are_exact``).
+  exact when every document of the block is one segment (``segments_are_exact``): one varlen
+  (``cu_seqlens``) call for the whole batch with a flash-attn backend, else one call per
+  segment, which CUDA refuses (``document_kernel_problem``).
 
 Tensors use the SDPA layout of ``backends.py``: ``q [B, Hq, Sq, D]``, ``k``/``v``
 ``[B, Hkv, Sk, D]``, ``Hq`` a multiple of ``Hkv`` (GQA), ``lse`` fp32 ``[B, Hq, Sq]``.
@@ -39,9 +41,9 @@ from typing import Literal
 
 import torch
 
-from titan_upipe.attention.backends import LocalAttentionBackend, SdpaBackend
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, LocalAttentionBackend, SdpaBackend
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.mesh import mesh_degrees
+from titan_upipe.parallel.sequence import layout_for
 
 Tensor = torch.Tensor
 BlockKindName = Literal["skip", "masked", "causal", "full"]
@@ -293,17 +295,64 @@ def _check_segments(segments: list[list[Segment]], q: Tensor) -> None:
             raise ValueError(f"segments {row} do not tile [0, {q.shape[2]}) in order")
 
 
-def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
-                             backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor]:
-    """A diagonal block (``q``, ``k``, ``v`` of the same positions) as causal attention inside
-    each segment: for row ``b`` and segment ``[a, c)``, ``out[b, :, a:c], lse[b, :, a:c] =
-    backend.forward(q[b, :, a:c], k[b, :, a:c], v[b, :, a:c], causal=True)``.
+def document_kernel_problem(backend: LocalAttentionBackend | type[LocalAttentionBackend],
+                            device_type: str) -> str | None:
+    """None when ``backend`` (an instance or its class) runs packed documents well on
+    ``device_type``, else why not, in one line. On CUDA a document block needs one varlen kernel
+    call (``backend.varlen``): without it every document of every row is a kernel launch of its
+    own. On CPU (and meta) the per-segment loop is the exact path and is allowed."""
+    if device_type != "cuda" or getattr(backend, "varlen", False):
+        return None
+    choices = [BACKENDS[name] for name in AUTO_ORDER if BACKENDS[name].varlen]  # fastest first
+    return (f"attention backend {backend.name!r} has no varlen (cu_seqlens) kernel, so packed documents on CUDA "
+            f"would run one kernel call per document: set attention_backend to one of "
+            f"{', '.join(c.name for c in choices)} (install one of "
+            f"{', '.join(getattr(c, 'distribution', c.name) for c in choices)} with pip)")
 
-    Equal to ``masked_forward`` with ``visible(pos, pos)`` when ``segments`` come from
-    ``DocumentMask.segments(pos)`` and ``segments_are_exact(pos)``. ``backend``: torch SDPA
-    by default (any backend of ``backends.py`` works)."""
-    _check_segments(segments, q)
-    backend = SdpaBackend() if backend is None else backend
+
+def _packed(t: Tensor) -> Tensor:
+    """``[B, H, S, D] -> [B*S, H, D]``: the rows' tokens end to end (a view when ``t`` is a
+    transposed ``[B, S, H, D]`` tensor, as the projections make it)."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h, d)
+
+
+def _unpacked(t: Tensor, batch: int) -> Tensor:
+    """``[B*S, H, D] -> [B, H, S, D]``, a view."""
+    return t.reshape(batch, -1, *t.shape[1:]).transpose(1, 2)
+
+
+def _varlen_boundaries(segments: list[list[Segment]], seq_len: int, device: torch.device) -> tuple[Tensor, int]:
+    """``cu_seqlens`` (int32 ``[n + 1]``) of every segment of every row with the rows end to end
+    (row ``b``'s segment ``[a, c)`` is packed tokens ``[b S + a, b S + c)``), and the longest."""
+    stops = [row * seq_len + stop for row, segs in enumerate(segments) for _, stop in segs]
+    longest = max(stop - start for segs in segments for start, stop in segs)
+    return torch.tensor([0, *stops], dtype=torch.int32, device=device), longest
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+                    backend: LocalAttentionBackend) -> tuple[Tensor, Tensor]:
+    """Every segment of every row in one ``backend.varlen_forward``; ``lse [Hq, B*S] -> [B, Hq, S]``."""
+    b, hq, s, _ = q.shape
+    cu_seqlens, longest = _varlen_boundaries(segments, s, q.device)
+    out, lse = backend.varlen_forward(_packed(q), _packed(k), _packed(v), scale, cu_seqlens, longest)
+    return _unpacked(out, b), lse.reshape(hq, b, s).transpose(0, 1).contiguous()
+
+
+def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                     segments: list[list[Segment]], backend: LocalAttentionBackend) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient of ``_varlen_forward`` in one ``backend.varlen_backward``, from the merged out/lse."""
+    b, hq, s, _ = q.shape
+    cu_seqlens, longest = _varlen_boundaries(segments, s, q.device)
+    packed_lse = lse.transpose(0, 1).reshape(hq, b * s)  # [B, Hq, S] -> [Hq, B*S]
+    grads = backend.varlen_backward(_packed(dout), _packed(q), _packed(k), _packed(v), _packed(out),
+                                    packed_lse.contiguous(), scale, cu_seqlens, longest)
+    return tuple(_unpacked(g, b) for g in grads)  # type: ignore[return-value]
+
+
+def _loop_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+                  backend: LocalAttentionBackend) -> tuple[Tensor, Tensor]:
+    """One ``backend.forward(causal=True)`` per segment of each row (the exact CPU path)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     for row, segs in enumerate(segments):
@@ -314,13 +363,9 @@ def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segm
     return out, lse
 
 
-def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              scale: float, segments: list[list[Segment]],
-                              backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The gradient of ``segmented_causal_forward`` given the merged ``out``/``lse``: each
-    segment's ``backend.backward(..., causal=True)`` written into its rows of ``dq, dk, dv``."""
-    _check_segments(segments, q)
-    backend = SdpaBackend() if backend is None else backend
+def _loop_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                   segments: list[list[Segment]], backend: LocalAttentionBackend) -> tuple[Tensor, Tensor, Tensor]:
+    """One ``backend.backward(causal=True)`` per segment of each row, from the merged out/lse."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for row, segs in enumerate(segments):
         for start, stop in segs:
@@ -331,6 +376,39 @@ def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     return dq, dk, dv
 
 
+def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+                             backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor]:
+    """A diagonal block (``q``, ``k``, ``v`` of the same positions) as causal attention inside
+    each segment: for row ``b`` and segment ``[a, c)``, ``out[b, :, a:c], lse[b, :, a:c] =
+    backend.forward(q[b, :, a:c], k[b, :, a:c], v[b, :, a:c], causal=True)``.
+
+    Equal to ``masked_forward`` with ``visible(pos, pos)`` when ``segments`` come from
+    ``DocumentMask.segments(pos)`` and ``segments_are_exact(pos)``. ``backend``: torch SDPA by
+    default. A backend with ``varlen`` runs every segment of the batch in one varlen call;
+    otherwise one call per segment, which only CPU allows (``document_kernel_problem``)."""
+    backend = SdpaBackend() if backend is None else backend
+    problem = document_kernel_problem(backend, q.device.type)
+    if problem is not None:
+        raise ConfigError(problem)
+    _check_segments(segments, q)
+    if getattr(backend, "varlen", False):  # duck-typed test backends have no flag
+        return _varlen_forward(q, k, v, scale, segments, backend)
+    return _loop_forward(q, k, v, scale, segments, backend)
+
+
+def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              scale: float, segments: list[list[Segment]],
+                              backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient of ``segmented_causal_forward`` given the merged ``out``/``lse``: each
+    segment's ``backend.backward(..., causal=True)`` written into its rows of ``dq, dk, dv``
+    (one ``varlen_backward`` for the whole batch with a varlen backend)."""
+    _check_segments(segments, q)
+    backend = SdpaBackend() if backend is None else backend
+    if getattr(backend, "varlen", False):
+        return _varlen_backward(dout, q, k, v, out, lse, scale, segments, backend)
+    return _loop_backward(dout, q, k, v, out, lse, scale, segments, backend)
+
+
 # ---------------------------------------------------------------------------- the converted attention's masks
 
 
@@ -339,19 +417,29 @@ def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
     document, each one contiguous run) as the ``attention_masks`` a converted attention accepts.
 
     Query ``i`` attends key ``j`` iff ``j <= i`` and both lie in the same document; RoPE keeps the
-    global positions. Runs under the 1-D CP meshes (``ulysses``, ``upipe``); the ring layouts
-    (``ring``, ``usp``, UPipe inside USP) raise ConfigError until their block plan reads masks."""
+    global positions (pass per-document ``positions`` to the model to change that). Every CP mode
+    reads it: Ulysses and UPipe run each document causally after the all-to-all, the ring layouts
+    (ring, usp, UPipe inside USP) plan each block pair from it (``ring_plan.document_step_calls``).
+    With ``cp_mesh``, ``S`` is checked against the mesh's sequence layout here, once."""
     mask = DocumentMask.from_ids(document_ids)
     if cp_mesh is not None:
-        check_document_mode(mesh_degrees(cp_mesh)[0])
+        layout_for(cp_mesh, mask.seq_len)  # ConfigError when S does not split into the layout's shards
     return mask
 
 
-def check_document_mode(ring_degree: int) -> None:
-    if ring_degree > 1:
-        raise ConfigError("document masks run under ulysses and upipe (a 1-D CP mesh) only so far: ring, usp and "
-                          "UPipe inside USP need a document-aware ring plan (docs/benchmarks/document_balance.md); "
-                          "use model.converters 'ulysses' or 'upipe' for packed documents")
+def check_attention_masks(attention_masks: object, seq_len: int) -> DocumentMask | None:
+    """The document mask of one attention call (None: plain causal); a flex ``BlockMask``, varlen
+    metadata or a mask of another length raise ConfigError."""
+    if attention_masks is None:
+        return None
+    if not isinstance(attention_masks, DocumentMask):
+        raise ConfigError(
+            f"context-parallel attention takes attention_masks from titan_upipe.attention.document_mask "
+            f"(got {type(attention_masks).__name__}): pass the global [batch, seq_len] document ids through it")
+    if attention_masks.seq_len != seq_len:
+        raise ConfigError(f"the document mask covers {attention_masks.seq_len} tokens but the sequence has "
+                          f"{seq_len}: build it from the global [batch, seq_len] batch, before CP sharding")
+    return attention_masks
 
 
 class DocumentMaskedBackend(LocalAttentionBackend):
@@ -381,20 +469,3 @@ class DocumentMaskedBackend(LocalAttentionBackend):
     def _check_causal(causal: bool) -> None:
         if not causal:
             raise ConfigError("a document-masked kernel runs whole sequences (causal blocks) only")
-
-
-def masked_backend(attention_masks: object, backend: LocalAttentionBackend, ring_degree: int,
-                   seq_len: int) -> LocalAttentionBackend:
-    """The kernel one attention call runs: ``backend`` without masks, its document-masked form
-    with a :func:`document_mask`; anything else (a flex ``BlockMask``, varlen metadata) raises."""
-    if attention_masks is None:
-        return backend
-    if not isinstance(attention_masks, DocumentMask):
-        raise ConfigError(
-            f"context-parallel attention takes attention_masks from titan_upipe.attention.document_mask "
-            f"(got {type(attention_masks).__name__}): keep the model's attn_type 'sdpa' and pass document ids")
-    check_document_mode(ring_degree)
-    if attention_masks.seq_len != seq_len:
-        raise ConfigError(f"the document mask covers {attention_masks.seq_len} tokens but the sequence has "
-                          f"{seq_len}: build it from the global [batch, seq_len] batch, before CP sharding")
-    return DocumentMaskedBackend(backend, attention_masks)

@@ -18,7 +18,7 @@ from torchtitan.models.llama3.model.model import Attention as Llama3Attention
 from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import get_backend
-from titan_upipe.attention.documents import masked_backend
+from titan_upipe.attention.documents import DocumentMaskedBackend, check_attention_masks
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
@@ -64,12 +64,9 @@ class AttentionSpec:
             raise ConfigError(
                 f"convert_attention supports TorchTitan Llama3 and Qwen3 Attention modules, got {type(module).__name__}"
             )
-        if module.attn_type != "sdpa":
-            raise ConfigError(
-                f"attn_type={module.attn_type!r} builds TorchTitan's flex/varlen document masks, which the "
-                "converted attention does not read: keep attn_type 'sdpa' and pass packed documents as "
-                "attention_masks=titan_upipe.attention.documents.document_mask(ids) (ulysses/upipe)"
-            )
+        # attn_type (sdpa, flex, varlen) picks TorchTitan's kernel, which conversion replaces: packed
+        # documents reach the converted attention as a document_mask (the trainer builds it from
+        # attn_mask_type = "block_causal", titan_upipe.cp_inputs), never as a flex/varlen mask.
         biased = [name for name in ("wq", "wk", "wv", "wo") if getattr(module, name).bias is not None]
         if biased:
             raise ConfigError(f"context-parallel attention supports projections without bias (Llama3, Qwen3); "
@@ -117,6 +114,8 @@ class ContextParallelAttention(nn.Module):
         self.backend = get_backend(backend, compute_dtype, ring=ring_degree > 1)
         self.block_rule = None
         """None: the causal block rule; tests replace it to show a wrong rule is caught."""
+        self.document_plan = None
+        """None: ``ring_plan.document_step_calls``; tests replace it to show a wrong plan is caught."""
         self.in_place_rope = False
         """RoPE in place where no gradient is recorded; set by the ``fused_rope`` transform."""
 
@@ -169,13 +168,19 @@ class ContextParallelAttention(nn.Module):
         check_local_inputs(x, positions, self.cp_degree)
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
-        backend = masked_backend(attention_masks, self.backend, self.ring_degree, x.shape[1] * self.cp_degree)
+        mask = check_attention_masks(attention_masks, x.shape[1] * self.cp_degree)
         local_positions = self._local_positions(x, positions)
         ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
+        backend = self.backend
         if self.ring_degree > 1:
             ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
-            rule = {} if self.block_rule is None else {"rule": self.block_rule}
-            backend = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size, **rule)
+            plans = {"rule": self.block_rule, "document_plan": self.document_plan}
+            backend = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size,
+                                           documents=None if mask is None else mask.document_segments,
+                                           **{k: v for k, v in plans.items() if v is not None})
+        elif mask is not None:
+            # After the all-to-all a rank holds whole rows of its heads: each document one segment.
+            backend = DocumentMaskedBackend(self.backend, mask)
         run = AttentionRun(
             schedule=self.schedule,
             projection=HeadProjection(self.head_dim, self.spec.rotary, freqs_cis, local_positions, self.spec.norm_eps,

@@ -19,6 +19,12 @@ travels with the block: after each step it is sent to the next rank, which adds 
 contributions for that block, so after ``R`` sends every block's dK/dV is back at its owner.
 The dK/dV buffers travel in fp32 so bf16 rounding does not grow with ``R``.
 GQA: only the ``h_kv`` K/V heads travel; the local kernels expand them.
+
+Packed documents (``documents`` = each row's document runs of global positions): the step's
+calls come from ``ring_plan.document_step_calls`` instead, diagonal blocks through
+``documents.segmented_causal_forward/backward`` (causal per document), earlier blocks as one
+unmasked rectangle per row, blocks with no visible key not at all; the merge tolerates rows
+that see nothing in a block (``documents.merge_partial_masked``).
 """
 
 from __future__ import annotations
@@ -27,7 +33,22 @@ import torch
 import torch.distributed as dist
 
 from titan_upipe.attention.backends import LocalAttentionBackend
-from titan_upipe.attention.ring_plan import BlockCall, BlockRule, causal_block_kind, step_calls
+from titan_upipe.attention.documents import (
+    merge_partial_masked,
+    segmented_causal_backward,
+    segmented_causal_forward,
+)
+from titan_upipe.attention.ring_plan import (
+    BlockCall,
+    BlockRule,
+    DiagonalCall,
+    DocumentCall,
+    DocumentPlan,
+    Range,
+    causal_block_kind,
+    document_step_calls,
+    step_calls,
+)
 
 Tensor = torch.Tensor
 
@@ -47,9 +68,26 @@ class RingExchange:
             work.wait()
 
 
-def _rows(t: Tensor, start: int, stop: int, slot_len: int) -> Tensor:
-    """Slots ``[start, stop)`` of the sequence dim (dim 2) of a ``[B, h, S_r, ...]`` tensor."""
-    return t.narrow(2, start * slot_len, (stop - start) * slot_len)
+Index = tuple[slice, slice, slice]
+"""``(rows, heads, tokens)`` of a ``[B, h, S_r, ...]`` ring-local tensor (basic slicing: views)."""
+Segments = tuple[tuple[Range, ...], ...]
+
+
+def _block_index(call: BlockCall, slot_len: int) -> tuple[Index, Index]:
+    """(query, key) indices of one causal-plan call: slots ``[start, stop)`` of every row."""
+    return ((slice(None), slice(None), slice(call.q_start * slot_len, call.q_stop * slot_len)),
+            (slice(None), slice(None), slice(call.kv_start * slot_len, call.kv_stop * slot_len)))
+
+
+def _document_index(call: DocumentCall, slot_len: int) -> tuple[Index, Index]:
+    """(query, key) indices of one document call into ``[B, h, S_r, ...]`` ring-local tensors."""
+    if isinstance(call, DiagonalCall):
+        rows = (slice(None), slice(None), slice(call.slot * slot_len, (call.slot + 1) * slot_len))
+        return rows, rows
+    row = slice(call.row, call.row + 1)
+    q_off, kv_off = call.q_slot * slot_len, call.kv_slot * slot_len
+    return ((row, slice(None), slice(q_off + call.q[0], q_off + call.q[1])),
+            (row, slice(None), slice(kv_off + call.kv[0], kv_off + call.kv[1])))
 
 
 def merge_partial(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -64,13 +102,37 @@ class RingAttentionBackend(LocalAttentionBackend):
     name = "ring"
 
     def __init__(self, local: LocalAttentionBackend, group: dist.ProcessGroup | None, ring_rank: int,
-                 ring_size: int, rule: BlockRule = causal_block_kind) -> None:
+                 ring_size: int, rule: BlockRule = causal_block_kind,
+                 documents: list[list[Range]] | None = None, document_plan: DocumentPlan = document_step_calls) -> None:
         self.local, self.group, self.ring_rank, self.ring_size = local, group, ring_rank, ring_size
         self.rule = rule
         """The block rule (the causal one); replaceable only to show the tests catch a wrong rule."""
+        self.documents, self.document_plan = documents, document_plan
+        """Each row's document runs (None: one causal sequence) and the plan that reads them
+        (replaceable only to show the tests catch a wrong plan)."""
 
     def _calls(self, step: int) -> tuple[BlockCall, ...]:
         return step_calls(self.ring_rank, self.ring_size, step, self.rule)
+
+    def _blocks(self, step: int, slot_len: int) -> list[tuple[Index, Index, bool | Segments]]:
+        """``(query index, key index, how)`` of every kernel call of ``step``: ``how`` is ``causal``
+        for one plain kernel call, or each row's segments for a causal call per document."""
+        if self.documents is None:
+            return [(*_block_index(call, slot_len), call.causal) for call in self._calls(step)]
+        calls = self.document_plan(self.ring_rank, self.ring_size, step, slot_len, self.documents)
+        return [(*_document_index(call, slot_len), call.segments if isinstance(call, DiagonalCall) else False)
+                for call in calls]
+
+    def _kernel_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, how: bool | Segments):
+        if isinstance(how, bool):
+            return self.local.forward(q, k, v, scale, causal=how)
+        return segmented_causal_forward(q, k, v, scale, how, self.local)
+
+    def _kernel_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         scale: float, how: bool | Segments):
+        if isinstance(how, bool):
+            return self.local.backward(dout, q, k, v, out, lse, scale, causal=how)
+        return segmented_causal_backward(dout, q, k, v, out, lse, scale, how, self.local)
 
     def _exchange(self, send: Tensor, recv: Tensor) -> RingExchange:
         return RingExchange(send, recv, self.group, self.ring_rank, self.ring_size)
@@ -89,17 +151,16 @@ class RingAttentionBackend(LocalAttentionBackend):
         out_acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
         lse_acc = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
         kv, kv_next = torch.stack((k, v)), None
+        # Under documents a row may see no key of a block (merge_partial would give NaN there).
+        merge = merge_partial if self.documents is None else merge_partial_masked
         for step in range(self.ring_size):
             exchange = None
             if step < self.ring_size - 1:
                 kv_next = torch.empty_like(kv) if kv_next is None else kv_next
                 exchange = self._exchange(kv, kv_next)
-            for call in self._calls(step):
-                out, lse = self.local.forward(
-                    _rows(q, call.q_start, call.q_stop, slot), _rows(kv[0], call.kv_start, call.kv_stop, slot),
-                    _rows(kv[1], call.kv_start, call.kv_stop, slot), scale, causal=call.causal)
-                merge_partial(_rows(out_acc, call.q_start, call.q_stop, slot),
-                              _rows(lse_acc, call.q_start, call.q_stop, slot), out, lse)
+            for qi, ki, how in self._blocks(step, slot):
+                out, lse = self._kernel_forward(q[qi], kv[0][ki], kv[1][ki], scale, how)
+                merge(out_acc[qi], lse_acc[qi], out, lse)
                 del out, lse
             if exchange is not None:
                 exchange.wait()
@@ -125,15 +186,12 @@ class RingAttentionBackend(LocalAttentionBackend):
                 exchange = self._exchange(kv, kv_next)
             dkv = dkv_send[step % 2]
             dkv.zero_()
-            for call in self._calls(step):
-                q_rows = (call.q_start, call.q_stop, slot)
-                kv_rows = (call.kv_start, call.kv_stop, slot)
-                dq, dk, dv = self.local.backward(
-                    _rows(dout, *q_rows), _rows(q, *q_rows), _rows(kv[0], *kv_rows), _rows(kv[1], *kv_rows),
-                    _rows(out, *q_rows), _rows(lse, *q_rows).contiguous(), scale, causal=call.causal)
-                _rows(dq_acc, *q_rows).add_(dq)
-                _rows(dkv[0], *kv_rows).add_(dk)
-                _rows(dkv[1], *kv_rows).add_(dv)
+            for qi, ki, how in self._blocks(step, slot):
+                dq, dk, dv = self._kernel_backward(dout[qi], q[qi], kv[0][ki], kv[1][ki], out[qi],
+                                                   lse[qi].contiguous(), scale, how)
+                dq_acc[qi].add_(dq)
+                dkv[0][ki].add_(dk)
+                dkv[1][ki].add_(dv)
                 del dq, dk, dv
             if pending is not None:
                 pending.wait()  # the previous rank's dK/dV of the block this rank holds now
