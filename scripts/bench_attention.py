@@ -11,6 +11,14 @@ excluded). CUDA (``--device cuda``): one rank per GPU under ``torchrun`` (NCCL),
 above what was allocated before the step. Times are the median over ``--iters`` steps,
 the slowest rank's.
 
+``--documents`` adds, for every variant, the same call with a ``document_mask`` (block-causal
+attention over packed documents: a few long documents among many short ones,
+``document_lengths``) next to the plain causal call; ``--modes local`` is the local kernel alone
+(one rank's heads after the Ulysses all-to-all, H/C query and max(KV/C, 1) K/V heads, over the
+whole sequence): causal, and with ``--documents`` causal on each document segment (one call per
+segment on CPU, one varlen call on CUDA). A variant that refuses document masks (ConfigError:
+e.g. a CUDA backend without a varlen kernel) is skipped with its reason.
+
 ``--compare-model`` adds, for UPipe, the implementation's term model and the paper's
 Table 2/6 formulas (see ``titan_upipe.attention.memory_model``); use it with
 ``--frozen-weights`` (activations only, the quantity those formulas describe).
@@ -21,6 +29,8 @@ Examples::
         --head-dim 128 --dim 256 --seq-len 512 --frozen-weights --compare-model
     python scripts/bench_attention.py --cp 4 --n-heads 8 --n-kv-heads 2 --head-dim 64 --seq-len 1024 \\
         --modes ulysses ring usp upipe_usp --ulysses-degree 2
+    python scripts/bench_attention.py --cp 2 --model llama3 --n-heads 8 --n-kv-heads 2 --head-dim 64 \\
+        --seq-len 4096 --modes local ulysses upipe --heads-per-stage 2 --documents
     torchrun --nproc_per_node 8 scripts/bench_attention.py --device cuda --dtype bfloat16 \\
         --n-heads 64 --n-kv-heads 8 --head-dim 128 --dim 5120 --seq-len 131072
 """
@@ -34,11 +44,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("ulysses", "upipe", "ring", "usp", "upipe_usp")
+MODES = ("ulysses", "upipe", "ring", "usp", "upipe_usp", "local")
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,8 @@ class Variant:
 
     @property
     def label(self) -> str:
+        if self.mode == "local":
+            return "local kernel"
         if self.mode == "ring":
             return "ring"
         if self.mode == "usp":
@@ -98,7 +111,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--frozen-weights", action="store_true", help="no weight gradients: activation memory only")
     p.add_argument("--compare-model", action="store_true", help="add term-model and paper-formula columns")
+    p.add_argument("--documents", action="store_true",
+                   help="add each variant with a block-causal document mask (a few long among many short documents)")
+    p.add_argument("--doc-seed", type=int, default=0, help="seed of the document lengths (row b: seed + b)")
     return p.parse_args(argv)
+
+
+def document_lengths(seq_len: int, seed: int, n_long: int = 2) -> list[int]:
+    """One packed row of ``seq_len`` tokens: ``n_long`` long documents (log-uniform in ``S/8 .. S/4``)
+    among short ones (log-normal, median ``S/128``, sigma 0.9, clipped to ``[8, S/16]``), in random
+    order; the last document is cut to fill the row exactly. The mixed streams of
+    ``scripts/bench_document_balance.py`` scaled down to the short sequences a CPU runs (theirs
+    have absolute lengths: 2K-token short and 100K-1M-token long documents)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = max(seq_len // 8, 1), max(seq_len // 4, 1)
+    lengths = [int(x) for x in np.round(np.exp(rng.uniform(np.log(lo), np.log(hi), size=n_long)))]
+    short_hi = max(seq_len // 16, 8)
+    while sum(lengths) < seq_len:
+        lengths.append(int(np.clip(round(rng.lognormal(np.log(max(seq_len / 128, 8)), 0.9)), 8, short_hi)))
+    lengths = [lengths[i] for i in rng.permutation(len(lengths))]
+    out, room = [], seq_len
+    for length in lengths:
+        if room == 0:
+            break
+        out.append(min(length, room))
+        room -= out[-1]
+    return out
+
+
+def document_ids(args: argparse.Namespace) -> torch.Tensor:
+    """``[B, S]`` int64 global document ids, row ``b`` from ``document_lengths(S, doc_seed + b)``."""
+    rows = [document_lengths(args.seq_len, args.doc_seed + b) for b in range(args.batch)]
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def visible_fraction(lengths: list[int]) -> float:
+    """Visible (query, key) pairs of the packed row over plain causal's:
+    ``sum_i L_i (L_i + 1) / 2`` over ``S (S + 1) / 2`` (the work a mask-aware kernel skips)."""
+    s = sum(lengths)
+    return sum(n * (n + 1) for n in lengths) / (s * (s + 1))
+
+
+def describe_documents(args: argparse.Namespace) -> str:
+    rows = [document_lengths(args.seq_len, args.doc_seed + b) for b in range(args.batch)]
+    return "; ".join(f"row {b}: {len(r)} documents, longest {max(r)}, median {int(np.median(r))}, "
+                     f"shortest {min(r)} tokens, {100 * visible_fraction(r):.1f} % of causal's visible pairs"
+                     for b, r in enumerate(rows))
 
 
 def _variants(args: argparse.Namespace, cp: int) -> list[Variant]:
@@ -120,6 +178,8 @@ def _variants(args: argparse.Namespace, cp: int) -> list[Variant]:
             d = args.ulysses_degree
             valid = valid_heads_per_stage(args.n_heads, d) if d > 0 else []
             variants += [Variant("upipe", u, d) for u in dict.fromkeys((d, args.n_heads)) if u in valid]
+        elif mode == "local":
+            variants.append(Variant("local", None))
     return variants
 
 
@@ -150,30 +210,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_forward_no_grad(layer, x, table, positions, device) -> int:
+def _fresh(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().clone().requires_grad_(True) for t in inputs)
+
+
+def _peak_forward_no_grad(run, inputs, device) -> int:
     """Peak bytes of a forward without autograd (as under activation checkpointing)."""
     with torch.no_grad():
         if device.type == "cuda":
             _sync(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            layer(x, table, None, positions)
+            run(*inputs)
             _sync(device)
             return torch.cuda.max_memory_allocated(device) - base
         from titan_upipe.memory_tracker import LiveTensorTracker
 
         with LiveTensorTracker() as mem:
-            layer(x, table, None, positions)
+            run(*inputs)
         return mem.peak_bytes
 
 
-def _peak_step(layer, x, table, positions, grad_y, device) -> tuple[int, int]:
+def _peak_step(run, inputs, grad_y, device) -> tuple[int, int]:
     """(forward peak, backward peak) bytes of one step."""
     if device.type == "cuda":
         _sync(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        y = layer(x, table, None, positions)
+        y = run(*inputs)
         _sync(device)
         fwd = torch.cuda.max_memory_allocated(device) - base
         torch.cuda.reset_peak_memory_stats(device)
@@ -184,11 +248,73 @@ def _peak_step(layer, x, table, positions, grad_y, device) -> tuple[int, int]:
     from titan_upipe.memory_tracker import LiveTensorTracker
 
     with LiveTensorTracker() as mem:
-        y = layer(x, table, None, positions)
+        y = run(*inputs)
         fwd = mem.peak_bytes
         mem.reset_peak()
         y.backward(grad_y)
         return fwd, mem.peak_bytes
+
+
+class _KernelCall(torch.autograd.Function):
+    """A local backend's forward and merged-out/LSE backward as one autograd op (``--modes local``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend, scale):
+        out, lse = backend.forward(q, k, v, scale, causal=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.scale = backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.backend.backward(dout, q, k, v, out, lse, ctx.scale, causal=True), None, None)
+
+
+def _local_case(args: argparse.Namespace, cp: int, device: torch.device, dtype: torch.dtype):
+    """(make_run(mask), inputs, grad_out) of one rank's kernel after the Ulysses all-to-all:
+    ``q [B, H/C, S, D]``, ``k``/``v`` ``[B, max(KV/C, 1), S, D]`` (K/V replicated when C > KV)."""
+    from titan_upipe.attention.backends import default_scale, get_backend
+    from titan_upipe.attention.documents import DocumentMaskedBackend
+
+    hq, hkv = args.n_heads // cp, max(args.n_kv_heads // cp, 1)
+    q = torch.randn(args.batch, hq, args.seq_len, args.head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(args.batch, hkv, args.seq_len, args.head_dim, device=device, dtype=dtype) for _ in range(2))
+    backend, scale = get_backend(args.backend, dtype), default_scale(args.head_dim)
+
+    def make_run(mask):
+        kernel = backend if mask is None else DocumentMaskedBackend(backend, mask)
+        return lambda q, k, v: _KernelCall.apply(q, k, v, kernel, scale)
+
+    return make_run, (q, k, v), torch.randn_like(q)
+
+
+def _time_steps(run, inputs, grad_y, args, mesh, device, zero_grad) -> float:
+    """Median seconds of a forward+backward over ``--iters`` steps after ``--warmup``."""
+    times = []
+    for i in range(args.warmup + args.iters):
+        fresh = _fresh(inputs)
+        dist.barrier(group=mesh.get_group())
+        _sync(device)
+        start = time.perf_counter()
+        run(*fresh).backward(grad_y)
+        _sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        zero_grad()
+    return statistics.median(times)
+
+
+def _document_masks(args: argparse.Namespace, device: torch.device) -> list:
+    """``[None]``, and with ``--documents`` the mask of ``document_ids`` with its segments
+    computed (once per mask in training too: every layer reads the same mask)."""
+    if not args.documents:
+        return [None]
+    from titan_upipe.attention.documents import document_mask
+
+    mask = document_mask(document_ids(args).to(device))
+    _ = mask.document_segments
+    return [None, mask]
 
 
 def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row]:
@@ -200,6 +326,7 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
         upipe_backward_peak,
         upipe_forward_terms,
     )
+    from titan_upipe.errors import ConfigError
     from titan_upipe.parallel import context_parallel_mesh, shard_sequence
 
     cp = mesh.size()
@@ -208,37 +335,45 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
     grad_full = torch.randn_like(x_full)
     shape = LayerShape(args.n_heads, args.n_kv_heads, args.head_dim, cp, args.seq_len, args.batch, dim,
                        dtype.itemsize)
+    masks = _document_masks(args, device)
     rows = []
     for variant in _variants(args, cp):
-        variant_mesh = context_parallel_mesh(mesh, variant.mode, variant.ulysses_degree)
-        x_local, positions = shard_sequence(x_full, variant_mesh, seq_dim=1)
-        grad_y = shard_sequence(grad_full, variant_mesh, seq_dim=1)[0]
-        layer = convert_attention(module, variant.mode, variant_mesh, variant.heads_per_stage, backend=args.backend)
-        times = []
-        for i in range(args.warmup + args.iters):
-            x = x_local.detach().clone().requires_grad_(True)
-            dist.barrier(group=mesh.get_group())
-            _sync(device)
-            start = time.perf_counter()
-            layer(x, table, None, positions).backward(grad_y)
-            _sync(device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+        if variant.mode == "local":
+            make_run, inputs, grad_y = _local_case(args, cp, device, dtype)
+            stages = 1
+        else:
+            variant_mesh = context_parallel_mesh(mesh, variant.mode, variant.ulysses_degree)
+            x_local, positions = shard_sequence(x_full, variant_mesh, seq_dim=1)
+            grad_y = shard_sequence(grad_full, variant_mesh, seq_dim=1)[0]
+            layer = convert_attention(module, variant.mode, variant_mesh, variant.heads_per_stage,
+                                      backend=args.backend)
+            inputs, stages = (x_local,), layer.schedule.n_stages
+
+            def make_run(mask, layer=layer, positions=positions):
+                return lambda x: layer(x, table, mask, positions)
+        for mask in masks:
+            run = make_run(mask)
+            try:
+                seconds = _time_steps(run, inputs, grad_y, args, mesh, device,
+                                      lambda: module.zero_grad(set_to_none=True))
+            except ConfigError as err:  # refused before any collective, on every rank alike
+                if mesh.get_rank() == 0:
+                    print(f"skipped {variant.label} with documents: {err}")
+                continue
+            no_grad = _peak_forward_no_grad(run, inputs, device)
+            fwd, bwd = _peak_step(run, _fresh(inputs), grad_y, device)
             module.zero_grad(set_to_none=True)
-        no_grad = _peak_forward_no_grad(layer, x_local, table, positions, device)
-        fwd, bwd = _peak_step(layer, x_local.detach().clone().requires_grad_(True), table, positions, grad_y, device)
-        module.zero_grad(set_to_none=True)
-        mib = 2.0**20
-        row = Row(variant.label, layer.schedule.n_stages, 1e3 * statistics.median(times), no_grad / mib, fwd / mib,
-                  bwd / mib)
-        if args.compare_model and variant.mode == "upipe" and not variant.ulysses_degree:
-            u = layer.heads_per_stage
-            row.model_forward_mib = sum(upipe_forward_terms(shape, u).values()) / mib
-            # The measured backward is the overall peak: a stage's kernel or the final dX GEMM.
-            row.model_backward_mib = upipe_backward_peak(shape, u) / mib
-            row.paper_forward_mib = paper_table2_peak(shape, u) / mib
-            row.paper_backward_mib = paper_table6_peak(shape, u) / mib
-        rows.append(row)
+            mib = 2.0**20
+            label = variant.label + (", documents" if mask is not None else "")
+            row = Row(label, stages, 1e3 * seconds, no_grad / mib, fwd / mib, bwd / mib)
+            if args.compare_model and variant.mode == "upipe" and not variant.ulysses_degree and mask is None:
+                u = layer.heads_per_stage
+                row.model_forward_mib = sum(upipe_forward_terms(shape, u).values()) / mib
+                # The measured backward is the overall peak: a stage's kernel or the final dX GEMM.
+                row.model_backward_mib = upipe_backward_peak(shape, u) / mib
+                row.paper_forward_mib = paper_table2_peak(shape, u) / mib
+                row.paper_backward_mib = paper_table6_peak(shape, u) / mib
+            rows.append(row)
     # The slowest rank's time and the largest peak are what bound a step.
     gathered: list[list[Row] | None] = [None] * cp
     dist.all_gather_object(gathered, rows, group=mesh.get_group())
@@ -257,7 +392,8 @@ def format_table(args: argparse.Namespace, cp: int, rows: list[Row], device_name
     cols = ["variant", "stages", "fwd+bwd ms", "fwd no-grad peak MiB", "fwd peak MiB", "bwd peak MiB"]
     if args.compare_model:
         cols += ["model fwd", "model bwd", "paper T2 fwd", "paper T6 bwd"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines = [head, *([f"documents: {describe_documents(args)}"] if args.documents else []), "",
+             "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         cells = [r.label, str(r.stages), f"{r.step_ms:.1f}", f"{r.forward_no_grad_peak_mib:.2f}",
                  f"{r.forward_peak_mib:.2f}", f"{r.backward_peak_mib:.2f}"]

@@ -49,6 +49,7 @@ LLAMA3_8B = Model("upipe_llama3", "8B", "./assets/hf/Llama-3.1-8B", "Llama3-8B",
 QWEN3_32B = Model("upipe_qwen3", "32B", "./assets/hf/Qwen3-32B", "Qwen3-32B", n_layers=64, dim=5120)
 LLAMA3_DEBUG = Model("upipe_llama3", "debug", "", "llama3 debug")
 QWEN3_DEBUG = Model("upipe_qwen3", "debug", "", "qwen3 debug")
+LLAMA3_DEBUG_DOCS = Model("upipe_llama3", "debug_flex", "", "llama3 debug_flex (block_causal)")
 
 GPU_DATA = ["./data/train/**/*.jsonl"]
 """Where the GPU recipes read their text (docs/training.md): every JSONL file under data/train."""
@@ -247,6 +248,10 @@ def debug_recipes() -> list[Recipe]:
         debug("configs/debug/llama3_upipe_transforms.toml", LLAMA3_DEBUG, "upipe", 2,
               "llama3 debug, UPipe CP=2 + all memory transforms + offloaded full AC",
               extra_converters=tuple(MEMORY_TRANSFORMS), offload=True),
+        # Packed documents: attn_mask_type = "block_causal" (the flavor's), EOS-separated documents.
+        debug("configs/debug/llama3_upipe_docs.toml", LLAMA3_DEBUG_DOCS, "upipe", 2,
+              "llama3 debug, UPipe CP=2, packed documents (block_causal) on synthetic_docs",
+              overrides={"training": {"dataset": "synthetic_docs"}}),
     ]
 
 

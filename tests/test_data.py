@@ -5,7 +5,7 @@ import torch
 
 from titan_upipe.data import tokenizer as vocab
 from titan_upipe.data.loader import GlobalBatchLoader
-from titan_upipe.data.synthetic import SyntheticCopyStream, copy_sample, copy_text
+from titan_upipe.data.synthetic import SAMPLES, SyntheticCopyStream, copy_sample, copy_text, docs_sample
 
 
 def test_copy_sample_is_deterministic_and_repeats_its_segment():
@@ -47,3 +47,50 @@ def test_synthetic_copy_is_a_registered_torchtitan_dataset():
     inputs, labels = next(iter(ds))
     assert inputs["input"].shape == labels.shape == (128,)
     assert torch.equal(inputs["input"], torch.from_numpy(copy_sample(0, 2048)[:128]))
+
+
+def _documents(sample: np.ndarray) -> list[np.ndarray]:
+    """The documents of a packed sample, each ending after its EOS (TorchTitan's rule; the last
+    one may be cut), found here without the plugin's DocumentMask."""
+    ends = [i + 1 for i in np.flatnonzero(sample == vocab.EOS_ID)]
+    return [sample[a:b] for a, b in zip([0, *ends], [*ends, len(sample)], strict=True) if b > a]
+
+
+def test_docs_sample_packs_copy_task_documents_of_mixed_lengths():
+    """``synthetic_docs``: BOS-led copy-task documents and lone EOS tokens, each closed by EOS,
+    the row cut at seq_len + 1; a document's tokens do not depend on its neighbours."""
+    a = docs_sample(5, 512)
+    assert np.array_equal(a, docs_sample(5, 512)) and not np.array_equal(a, docs_sample(6, 512))
+    assert len(a) == 513 and a.dtype == np.int64 and a.min() >= 0 and a.max() < vocab.VOCAB_SIZE
+    docs = _documents(a)
+    assert sum(map(len, docs)) == 513
+    for doc in docs:
+        if len(doc) == 1 and doc[0] == vocab.EOS_ID:
+            continue  # a 1-token document
+        assert doc[0] == vocab.BOS_ID and (doc[1:] != vocab.BOS_ID).all()
+        body = doc[1:-1] if doc[-1] == vocab.EOS_ID else doc[1:]
+        seps = np.flatnonzero(body == vocab.SEP_ID)
+        if len(seps):  # the copy task: the body repeats its first period
+            period = seps[0] + 1
+            assert np.array_equal(body[period:], np.resize(body[:period], len(body) - period))
+
+
+def test_docs_batches_of_the_e2e_runs_have_every_hard_case():
+    """The samples the end-to-end block_causal runs train on (4 steps x 2 rows, tests/test_train_e2e.py)
+    hold 1-token documents and documents across the CP shard boundaries (256 for UPipe CP 2;
+    128, 256, 384 for the zigzag chunks of ring 2), split differently in each row."""
+    splits, lone_eos = set(), 0
+    for index in range(8):
+        docs = _documents(docs_sample(index, 512)[:-1])  # the row's input tokens
+        starts = np.cumsum([0, *map(len, docs)])
+        crossing = {c for c in (128, 256, 384) for a, b in zip(starts, starts[1:], strict=False) if a < c < b}
+        assert crossing == {128, 256, 384}, (index, starts)
+        splits.add(tuple(starts))
+        lone_eos += sum(len(doc) == 1 and doc[0] == vocab.EOS_ID for doc in docs)
+    assert lone_eos >= 5 and len(splits) == 8
+
+
+def test_each_synthetic_dataset_streams_its_own_samples():
+    for name, sample in SAMPLES.items():
+        inputs, labels = next(iter(GlobalBatchLoader(SyntheticCopyStream(64, sample=sample), 2, 0, 1)))
+        assert torch.equal(labels[1], torch.from_numpy(sample(1, 64)[1:])), name

@@ -37,6 +37,8 @@ def test_committed_cp_configs_are_valid_for_their_world_size():
          r"ranks, or set data_parallel_shard_degree to 1 \(or -1"),
         (("--parallelism.tensor_parallel_degree", "2"), 4, "tensor_parallel_degree"),
         (("--model.flavor", "tiny"), 2, "valid values are"),
+        (("--model.name", "upipe_lama3"), 2, r"model.name = 'upipe_lama3' is not a registered train spec: valid "
+                                             r"values are upipe_llama3, upipe_qwen3 .*did you mean \"upipe_llama3\""),
     ],
 )
 def test_invalid_jobs_name_setting_and_choices(overrides, world, message):
@@ -133,3 +135,89 @@ def test_local_text_validation_needs_its_files(tmp_path):
     (tmp_path / "a.txt").write_text("some text")
     with pytest.raises(ConfigError, match=r"validation.dataset_path pattern .* matches no file"):
         check_dataset(missing)
+
+
+# --- packed documents: attn_mask_type = "block_causal" (issue 17) ---------------------------
+
+DOCS = "configs/debug/llama3_upipe_docs.toml"  # debug_flex (flex, block_causal), synthetic_docs, UPipe CP = 2
+FSDP = "configs/debug/llama3_fsdp.toml"  # no CP converter
+
+
+def test_block_causal_runs_under_every_cp_layout_and_torchtitan_flex():
+    check_job(job(config=DOCS), world_size=2)
+    check_job(job("--upipe.ulysses_degree", "1", config=DOCS), world_size=2)  # UPipe inside USP, ring 2
+    check_job(job("--model.converters", "usp", "--parallelism.context_parallel_degree", "4",
+                  "--upipe.ulysses_degree", "2", config=DOCS), world_size=4)
+    check_job(job("--model.name", "upipe_qwen3", config=DOCS), world_size=2)
+    # No converter: TorchTitan's own flex attention builds and reads the document mask.
+    check_job(job("--model.flavor", "debug_flex", "--training.dataset", "synthetic_docs", config=FSDP), world_size=2)
+    # Causal attention on packed documents is a choice (the e2e test's unmasked run), not a mistake.
+    check_job(job("--model.flavor", "debug", config=DOCS), world_size=2)
+
+
+@pytest.fixture
+def flavor_with(monkeypatch):
+    """Register a llama3 debug flavor with the given attention settings for one test; its name."""
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+    from titan_upipe import flavors
+
+    def register(**attention) -> str:
+        args = TransformerModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=512, **attention)
+        monkeypatch.setitem(flavors.LLAMA3_DEBUG_FLAVORS, "debug_test", args)
+        return "debug_test"
+
+    return register
+
+
+def test_block_causal_that_torchtitan_would_run_causally_is_refused(flavor_with):
+    """TorchTitan builds no mask for attn_type sdpa: without a converter the documents would leak."""
+    name = flavor_with(attn_type="sdpa", attn_mask_type="block_causal")
+    docs_data = ("--model.flavor", name, "--training.dataset", "synthetic_docs")
+    with pytest.raises(ConfigError, match=r"^model.flavor = 'debug_test' \(attn_type 'sdpa', attn_mask_type "
+                                          r"'block_causal'\) without a context-parallel converter: TorchTitan builds "
+                                          r"document masks for attn_type flex and varlen only.*use a flavor with "
+                                          r"attn_type 'flex' or 'varlen' \(e.g. debug_flex, 8B_flex\), or add a CP "
+                                          r"converter \(ulysses, upipe, ring, usp\)"):
+        check_job(job(*docs_data, config=FSDP), world_size=2)
+    check_job(job(*docs_data, config=DOCS), world_size=2)  # a converter reads it whatever the attn_type
+
+
+def test_mask_types_the_attention_would_not_run_are_refused(flavor_with):
+    name = flavor_with(attn_type="flex", attn_mask_type="sliding_window")
+    with pytest.raises(ConfigError, match=r"the upipe converter runs attn_mask_type causal or block_causal only"):
+        check_job(job("--model.flavor", name, config=DOCS), world_size=2)
+    name = flavor_with(attn_type="sdpa", attn_mask_type="sliding_window")
+    with pytest.raises(ConfigError, match=r"TorchTitan's sdpa attention runs attn_mask_type causal or block_causal"):
+        check_job(job("--model.flavor", name, config=FSDP), world_size=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # TorchTitan's Llama3 args refuse varlen with CP (update_from_config) before conversion.
+        (("--model.flavor", "debugmodel_varlen_attn"),
+         r"^model.flavor = 'debugmodel_varlen_attn' \(attn_type 'varlen', attn_mask_type 'block_causal'\): "
+         r"TorchTitan's model args refuse attn_type 'varlen' with context_parallel_degree 2 before the upipe "
+         r"converter replaces the kernel; use the flavor's flex twin"),
+        (("--training.dataset", "synthetic_copy"),
+         r"with training.dataset = 'synthetic_copy', which has no EOS token: every row would be one document "
+         r"\(plain causal attention\); use 'synthetic_docs' \(packed documents\) or a causal flavor"),
+        (("--validation.enable", "--validation.dataset", "synthetic_copy", "--validation.steps", "1"),
+         r"with validation.dataset = 'synthetic_copy', which has no EOS token"),
+    ],
+)
+def test_block_causal_settings_that_cannot_mask_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job(job(*overrides, config=DOCS), world_size=2)
+
+
+def test_block_causal_on_cuda_needs_a_varlen_backend(monkeypatch):
+    """One kernel call per document would be the CUDA path of a backend without varlen kernels."""
+    import torchtitan.tools.utils as titan_utils
+
+    monkeypatch.setattr(titan_utils, "device_type", "cuda")
+    with pytest.raises(ConfigError, match=r"under upipe: attention backend 'sdpa' has no varlen \(cu_seqlens\) "
+                                          r"kernel.*set attention_backend to one of flash_attn4"):
+        check_job(job(config=DOCS), world_size=2)
+    check_job(job("--model.flavor", "debug", config=DOCS), world_size=2)  # causal: no documents

@@ -16,8 +16,8 @@ E2E_STEPS = "4"
 E2E_SEQ = 512
 """``training.seq_len`` of the debug configs."""
 
-def e2e_validation(data_parallel: int = 1) -> tuple[str, ...]:
-    return ("--validation.enable", "--validation.dataset", "synthetic_copy", "--validation.seq_len", str(E2E_SEQ),
+def e2e_validation(data_parallel: int = 1, dataset: str = "synthetic_copy") -> tuple[str, ...]:
+    return ("--validation.enable", "--validation.dataset", dataset, "--validation.seq_len", str(E2E_SEQ),
             "--validation.local_batch_size", str(2 // data_parallel), "--validation.steps", "1",
             "--validation.freq", "2")
 

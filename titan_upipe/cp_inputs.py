@@ -6,6 +6,12 @@ on the 1-D CP mesh; zigzag over ring x contiguous over Ulysses for ring, USP and
 USP) and their global positions, which the attention checks on every forward
 (``converters._LayoutCheck``) and RoPE reads. TorchTitan shards head-tail for its own ring
 attention; our all-to-alls would join those shards in the wrong order.
+
+Packed documents: with the model args' ``attn_mask_type = "block_causal"`` the converted
+attention gets ``attention_masks``, a :class:`~titan_upipe.attention.documents.DocumentMask`
+built from the *global* ``[B, S]`` tokens (a document ends at each EOS token, TorchTitan's
+rule), whatever the ``attn_type``: the attention reads global positions, so every rank holds
+the mask of the whole batch and the sequence shards carry no document boundaries of their own.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import sequence_mesh
+from titan_upipe.attention.documents import DocumentMask
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import shard_sequence
 from titan_upipe.parallel.cp_layout import CP_MODES
@@ -33,14 +40,40 @@ def model_sequence_mesh(model_parts: list[nn.Module]) -> DeviceMesh:
                       f"add one of {', '.join(CP_MODES)} to model.converters")
 
 
-def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_mesh: DeviceMesh
+MASK_TYPES = ("causal", "block_causal")
+"""The ``attn_mask_type`` values the converted attention runs (TorchTitan's Llama3/Qwen3 ones)."""
+
+
+def document_attention_masks(tokens: torch.Tensor, model_args, tokenizer) -> DocumentMask | None:
+    """The converted attention's ``attention_masks`` for the global batch ``tokens [B, S]``: with
+    ``model_args.attn_mask_type = "block_causal"`` the documents that end at each of the
+    tokenizer's EOS tokens, else None (causal)."""
+    mask_type = getattr(model_args, "attn_mask_type", "causal")
+    if mask_type not in MASK_TYPES:
+        raise ConfigError(f"attn_mask_type = {mask_type!r} is not run by the context-parallel attention: "
+                          f"valid values are {', '.join(MASK_TYPES)}; pick a model.flavor with one of them")
+    if mask_type == "causal":
+        return None
+    eos_id = getattr(tokenizer, "eos_id", None)
+    if eos_id is None:
+        raise ConfigError("attn_mask_type = 'block_causal' ends a document at each EOS token, but the tokenizer "
+                          "has no EOS: give model.hf_assets_path a tokenizer whose config names an eos_token")
+    return DocumentMask.from_eos(tokens, eos_id)
+
+
+def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_mesh: DeviceMesh,
+                attention_masks: DocumentMask | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
     """``(tokens [B, S/C], labels [B, S/C], extra inputs, {"positions": [S/C]})`` of this CP rank:
-    the trainer's ``post_dataloading_process`` contract."""
+    the trainer's ``post_dataloading_process`` contract; ``attention_masks`` (the whole batch's,
+    :func:`document_attention_masks`) joins the keyword arguments when given."""
     inputs, positions = shard_sequence(input_dict["input"], cp_mesh, seq_dim=1)
     labels, _ = shard_sequence(labels, cp_mesh, seq_dim=1)
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
-    return inputs, labels, extra_inputs, {"positions": positions}
+    extra_kwargs: dict[str, Any] = {"positions": positions}
+    if attention_masks is not None:
+        extra_kwargs["attention_masks"] = attention_masks
+    return inputs, labels, extra_inputs, extra_kwargs
 
 
 def global_valid_tokens(batch_valid: torch.Tensor, batch_mesh: DeviceMesh | None):

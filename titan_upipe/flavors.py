@@ -10,6 +10,12 @@ qwen3 debug    2       128    8 / 2      16        yes      no (FSDP
                                                             rejects tied
                                                             on torch 2.13)
 =============  ======  =====  =========  ========  =======  =========
+
+``debug_mha`` (llama3) has 8 / 8 heads. ``debug_flex`` (llama3 and qwen3) is ``debug`` with
+TorchTitan's packed-document settings, as its ``debugmodel_flex_attn`` / ``8B_flex`` flavors
+set them: ``attn_type = "flex"``, ``attn_mask_type = "block_causal"`` (documents end at each
+EOS token). Under a CP converter the attention is the plugin's, which reads the documents from
+``attn_mask_type`` whatever the ``attn_type`` (``titan_upipe.cp_inputs.document_attention_masks``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_upipe.data.tokenizer import VOCAB_SIZE
-from titan_upipe.errors import ConfigError
+from titan_upipe.errors import ConfigError, with_suggestion
 
 LLAMA3_SPEC = "upipe_llama3"
 QWEN3_SPEC = "upipe_qwen3"
@@ -35,6 +41,10 @@ LLAMA3_DEBUG_FLAVORS = {
         dim=128, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=VOCAB_SIZE,
         multiple_of=64, rope_theta=500000, max_seq_len=8192,
     ),
+    "debug_flex": TransformerModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=VOCAB_SIZE,
+        multiple_of=64, rope_theta=500000, max_seq_len=8192, attn_type="flex", attn_mask_type="block_causal",
+    ),
 }
 
 QWEN3_DEBUG_FLAVORS = {
@@ -42,6 +52,11 @@ QWEN3_DEBUG_FLAVORS = {
         dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, hidden_dim=384,
         vocab_size=VOCAB_SIZE, qk_norm=True, rope_theta=1000000, max_seq_len=8192,
         enable_weight_tying=False,
+    ),
+    "debug_flex": Qwen3ModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, hidden_dim=384,
+        vocab_size=VOCAB_SIZE, qk_norm=True, rope_theta=1000000, max_seq_len=8192,
+        enable_weight_tying=False, attn_type="flex", attn_mask_type="block_causal",
     ),
 }
 
@@ -56,7 +71,15 @@ def model_flavors(model_name: str) -> dict:
     if model_name in BASE_MODELS:
         base, debug = BASE_MODELS[model_name]
         return {**get_train_spec(base).model_args, **debug}
-    return get_train_spec(model_name).model_args
+    try:
+        return get_train_spec(model_name).model_args
+    except ValueError:  # TorchTitan's "TrainSpec X is not registered."
+        from torchtitan.models import _supported_models
+
+        raise ConfigError(with_suggestion(
+            f"model.name = {model_name!r} is not a registered train spec: valid values are "
+            f"{', '.join(BASE_MODELS)} (or TorchTitan's {', '.join(sorted(_supported_models))})",
+            model_name, [*BASE_MODELS, *_supported_models])) from None
 
 
 def flavor_args(job_config, *, update: bool = True):

@@ -1,7 +1,9 @@
 """TorchTitan's ``Trainer`` with the plugin's inputs, validator and counters.
 
 * **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
-  attention's layout (``titan_upipe.cp_inputs.shard_batch``), not TorchTitan's head-tail one.
+  attention's layout (``titan_upipe.cp_inputs.shard_batch``), not TorchTitan's head-tail one;
+  ``attn_mask_type = "block_causal"`` adds the whole batch's documents (split after each EOS)
+  as ``attention_masks`` (``cp_inputs.document_attention_masks``), whatever the ``attn_type``.
 * **Validation.** ``validation.enable`` runs ``titan_upipe.validator.LayoutValidator`` (the train
   specs' ``build_validator_fn``): the same sharding, the loss over the global token count.
 * **Counters.** A step's numbers, for ``D`` data-parallel batches of ``N_d`` valid tokens each, CP
@@ -35,7 +37,12 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from titan_upipe.cp_inputs import global_valid_tokens, model_sequence_mesh, shard_batch
+from titan_upipe.cp_inputs import (
+    document_attention_masks,
+    global_valid_tokens,
+    model_sequence_mesh,
+    shard_batch,
+)
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -59,7 +66,8 @@ class ContextParallelTrainer(Trainer):
             return super().post_dataloading_process(input_dict, labels)
         if getattr(self, "_cp_sequence_mesh", None) is None:
             self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
-        return shard_batch(input_dict, labels, self._cp_sequence_mesh)
+        masks = document_attention_masks(input_dict["input"], self.model_args, self.tokenizer)
+        return shard_batch(input_dict, labels, self._cp_sequence_mesh, masks)
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)

@@ -62,13 +62,15 @@ def _world_size_from_config(parallelism) -> int | None:
 
 
 def find_problems(job_config, world_size: int) -> list[str]:
-    """Every problem the job-level checks find (not only the first)."""
+    """Every problem the job-level checks find (not only the first), each once (a check that reads
+    the layout or the flavor meets their problems again)."""
     problems: list[str] = []
     for check in validation.JOB_CHECKS:
         try:
             check(job_config, world_size)
         except ConfigError as err:
-            problems.append(str(err))
+            if str(err) not in problems:
+                problems.append(str(err))
     return problems
 
 

@@ -10,14 +10,17 @@ a :class:`~titan_upipe.parallel.cp_layout.CPLayout` (:func:`cp_layout`).
 
 from __future__ import annotations
 
+import torchtitan.tools.utils as titan_utils
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.protocols import model_converter
 
-from titan_upipe.attention.backends import BackendChoice, choose_backend
+from titan_upipe.attention.backends import BACKENDS, BackendChoice, choose_backend
+from titan_upipe.attention.documents import document_kernel_problem
+from titan_upipe.cp_inputs import MASK_TYPES
 from titan_upipe.data.builders import PLUGIN_DATASETS
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
-from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
+from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET, SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError, did_you_mean
 from titan_upipe.flavors import flavor_args
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, cp_mode, divisors
@@ -286,8 +289,9 @@ def check_validation(job_config) -> None:
                           f"{', '.join(sorted({*PLUGIN_DATASETS, *DATASETS}))}")
     if (validation.dataset in SYNTHETIC_DATASETS) != (job_config.training.dataset in SYNTHETIC_DATASETS):
         raise ConfigError(f"validation.dataset = {validation.dataset!r} and training.dataset = "
-                          f"{job_config.training.dataset!r} use different tokenizers (synthetic_copy has its own "
-                          "vocabulary): validate on synthetic_copy with synthetic training data, on text otherwise")
+                          f"{job_config.training.dataset!r} use different tokenizers ({', '.join(SYNTHETIC_DATASETS)} "
+                          "have their own vocabulary): validate on a synthetic dataset with synthetic training data, "
+                          "on text otherwise")
     if validation.dataset in PLUGIN_DATASETS:  # infinite streams
         if validation.steps < 1:
             raise ConfigError(f"validation.steps = {validation.steps} reads {validation.dataset!r} until it ends, "
@@ -296,6 +300,64 @@ def check_validation(job_config) -> None:
         if validation.dataset == LOCAL_TEXT_DATASET and not validation.dataset_path:
             raise ConfigError('validation.dataset = "local_text" needs validation.dataset_path: a glob pattern of '
                               '.jsonl/.parquet/.txt files, e.g. "/data/heldout/*.jsonl"')
+
+
+def check_document_masking(job_config) -> None:
+    """The flavor's ``attn_mask_type`` with the attention and data that will run it. Refused, because
+    each would train plain causal attention (or stop later with another library's error):
+
+    * a mask type TorchTitan's Llama3/Qwen3 do not know, under a CP converter or with ``attn_type``
+      ``sdpa`` (whose TorchTitan path reads no mask);
+    * ``block_causal`` with ``attn_type = "sdpa"`` and no CP converter: TorchTitan builds document
+      masks for flex/varlen only (with a CP converter the plugin builds them, whatever the type);
+    * ``block_causal`` with ``attn_type = "varlen"`` under a CP converter: TorchTitan's Llama3 args
+      refuse varlen with CP (``update_from_config``) before conversion replaces the kernel;
+    * ``block_causal`` on ``synthetic_copy`` (training or validation), which has no EOS: every
+      row would be one document;
+    * ``block_causal`` under a CP converter on CUDA with an attention backend (``auto`` resolved)
+      that has no varlen kernel (``attention.documents.document_kernel_problem``). The device is
+      the one this process trains on (TorchTitan's ``device_type``; CPU on a machine without one).
+    """
+    args = flavor_args(job_config, update=False)
+    attn_type = getattr(args, "attn_type", "sdpa")
+    mask_type = getattr(args, "attn_mask_type", "causal")
+    mode = cp_mode(list(job_config.model.converters))
+    flavor = (f"model.flavor = {job_config.model.flavor!r} (attn_type {attn_type!r}, attn_mask_type "
+              f"{mask_type!r})")
+    if mask_type not in MASK_TYPES and (mode is not None or attn_type == "sdpa"):
+        runner = f"the {mode} converter" if mode else "TorchTitan's sdpa attention"
+        raise ConfigError(f"{flavor}: {runner} runs attn_mask_type {' or '.join(MASK_TYPES)} only (any other would "
+                          "run as causal): pick a flavor with one of them")
+    if mask_type != "block_causal":
+        return
+    if mode is None and attn_type == "sdpa":
+        raise ConfigError(
+            f"{flavor} without a context-parallel converter: TorchTitan builds document masks for attn_type flex "
+            "and varlen only, so sdpa would attend across documents; use a flavor with attn_type 'flex' or 'varlen' "
+            f"(e.g. debug_flex, 8B_flex), or add a CP converter ({', '.join(CP_MODES)}), which reads block_causal "
+            "under any attn_type")
+    if mode is not None and attn_type == "varlen":
+        try:
+            flavor_args(job_config)  # TorchTitan's update_from_config, as the trainer will run it
+        except NotImplementedError:
+            raise ConfigError(
+                f"{flavor}: TorchTitan's model args refuse attn_type 'varlen' with context_parallel_degree "
+                f"{job_config.parallelism.context_parallel_degree} before the {mode} converter replaces the kernel; "
+                "use the flavor's flex twin (e.g. 8B_flex): the converted attention reads the same block_causal "
+                "documents under any attn_type") from None
+    validation = job_config.validation
+    datasets = [("training.dataset", job_config.training.dataset)]
+    if validation.enable:
+        datasets.append(("validation.dataset", validation.dataset))
+    for key, dataset in datasets:
+        if dataset == COPY_DATASET:
+            raise ConfigError(
+                f"{flavor} with {key} = {COPY_DATASET!r}, which has no EOS token: every row would be one document "
+                f"(plain causal attention); use {DOCS_DATASET!r} (packed documents) or a causal flavor (e.g. debug)")
+    if mode is not None:
+        backend = BACKENDS[attention_backend_choice(job_config, probe=False).name]
+        if problem := document_kernel_problem(backend, titan_utils.device_type):
+            raise ConfigError(f"{flavor} under {mode}: {problem}")
 
 
 PER_PART_COMPILE_CONVERTERS = ("tiled_mlp", "tiled_rmsnorm")
@@ -386,6 +448,7 @@ JOB_CHECKS = (
     lambda job_config, world_size: check_training(job_config, world_size),
     lambda job_config, world_size: check_converter_names(list(job_config.model.converters)),
     lambda job_config, world_size: check_context_parallel(job_config),
+    lambda job_config, world_size: check_document_masking(job_config),
     lambda job_config, world_size: check_transforms(job_config),
     lambda job_config, world_size: check_validation(job_config),
     lambda job_config, world_size: check_compile(job_config),

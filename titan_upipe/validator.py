@@ -2,7 +2,7 @@
 
 For ``K = validation.steps`` batches of ``D`` data-parallel ranks, CP rank ``c`` of batch ``d``
 holding the loss sum ``L_{k,d,c}`` of its ``1/C`` of the tokens (sharded like training,
-``cp_inputs.shard_batch``) and ``N_{k,d}`` the valid tokens of batch ``d`` (counted whole, before
+``cp_inputs.shard_batch``, with the same ``block_causal`` documents) and ``N_{k,d}`` the valid tokens of batch ``d`` (counted whole, before
 sharding)::
 
     validation loss = (1/K) Σ_k  Σ_{d,c} L_{k,d,c} / Σ_d N_{k,d}
@@ -27,7 +27,12 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.distributed import utils as dist_utils
 
-from titan_upipe.cp_inputs import global_valid_tokens, model_sequence_mesh, shard_batch
+from titan_upipe.cp_inputs import (
+    document_attention_masks,
+    global_valid_tokens,
+    model_sequence_mesh,
+    shard_batch,
+)
 from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
 from titan_upipe.errors import ConfigError
 
@@ -60,7 +65,8 @@ class LayoutValidator(BaseValidator):
 
     def _split(self, input_dict, labels, model_parts: list[nn.Module]):
         if self.parallel_dims.cp_enabled:
-            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts))
+            masks = document_attention_masks(input_dict["input"], model_parts[0].model_args, self.tokenizer)
+            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), masks)
         # Without CP, TorchTitan's own split (it also builds flex/varlen masks where a model has them).
         return Validator.post_dataloading_process(self, input_dict, labels, model_parts)
 

@@ -4,16 +4,17 @@
 ``dataset``         tokenizer                        loader
 =================== ================================ ==========================================
 ``synthetic_copy``  embedded (no files)              :class:`~titan_upipe.data.loader.GlobalBatchLoader`
+``synthetic_docs``  embedded (no files)              :class:`~titan_upipe.data.loader.GlobalBatchLoader`
 ``local_text``      HF, ``model.hf_assets_path``     :class:`~titan_upipe.data.loader.GlobalBatchLoader`
 anything else       HF, ``model.hf_assets_path``     TorchTitan's text pipeline (HF hub datasets)
 =================== ================================ ==========================================
 
-The two plugin datasets checkpoint one global cursor, so a run resumes under another
+The plugin datasets checkpoint one global cursor, so a run resumes under another
 data-parallel or CP degree (``titan_upipe.data.loader``); TorchTitan's pipeline does not.
 
-Validation (``[validation]``) reads ``validation.dataset``: ``synthetic_copy`` draws held-out
+Validation (``[validation]``) reads ``validation.dataset``: the synthetic datasets draw held-out
 samples (another seed), ``local_text`` packs the files of the glob ``validation.dataset_path``;
-both start from their first sample at every evaluation, so every point of the validation curve
+all start from their first sample at every evaluation, so every point of the validation curve
 scores the same tokens. Other names go to TorchTitan's validation pipeline.
 """
 
@@ -24,7 +25,7 @@ from functools import partial
 from titan_upipe.data import tokenizer as vocab
 from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, LocalTextStream, expand_paths
-from titan_upipe.data.synthetic import SYNTHETIC_DATASETS, VALIDATION_SEED, SyntheticCopyStream
+from titan_upipe.data.synthetic import SAMPLES, SYNTHETIC_DATASETS, VALIDATION_SEED, SyntheticCopyStream
 
 PLUGIN_DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
 
@@ -40,7 +41,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, in
         stream = LocalTextStream(expand_paths(local.paths), partial(tokenizer.encode, add_bos=True, add_eos=True),
                                  training.seq_len, local.text_key)
     else:
-        stream = SyntheticCopyStream(training.seq_len)
+        stream = SyntheticCopyStream(training.seq_len, sample=SAMPLES[training.dataset])
     return GlobalBatchLoader(stream, training.local_batch_size, dp_rank, dp_world_size)
 
 
@@ -58,7 +59,7 @@ def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job
                                  partial(tokenizer.encode, add_bos=True, add_eos=True), validation.seq_len,
                                  job_config.local_data.text_key)
     else:
-        stream = SyntheticCopyStream(validation.seq_len, seed=VALIDATION_SEED)
+        stream = SyntheticCopyStream(validation.seq_len, seed=VALIDATION_SEED, sample=SAMPLES[validation.dataset])
     return GlobalBatchLoader(stream, validation.local_batch_size, dp_rank, dp_world_size)
 
 

@@ -41,6 +41,7 @@ Modules (imports point down the list):
 ``job``          ``PlanInput``: one job; its CP layout is ``parallel.cp_layout.CPLayout``
 ``terms``        ``Term``: one enum member per kind of live tensor, its value the label
 ``result``       ``Moment`` and ``MemoryPlan``
+``documents``    packed documents: the document mask's index, build and segment terms
 ``sizes``        ``StepSizes``: the per-rank sizes terms are written in (``T``, ``u``, ...)
 ``state``        state, RoPE, FSDP buffers, RMSNorm outputs, saved MLP tensors
 ``attention``    local kernels, zigzag ring, Ulysses/ring/USP attention

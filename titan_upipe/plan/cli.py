@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
     parser.add_argument("--no-transforms", action="store_true",
                         help="--model only: full AC without offload and no tiling/fusing")
+    parser.add_argument("--documents", action="store_true",
+                        help="packed documents (block-causal masks): plan the document mask on every rank "
+                             "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")
     parser.add_argument("--gpu-mem", type=float, default=None, help="GiB of device memory per GPU (e.g. 80)")
     parser.add_argument("--host-mem", type=float, default=None, help="GiB of host memory per node (e.g. 1900)")
     parser.add_argument("--reserve-gib", type=float, default=None,
@@ -93,6 +96,8 @@ def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bo
         paper_model = args.model if args.model in KNOWN_MODELS else None
     if args.reserve_gib is not None:
         job = replace(job, reserve_bytes=int(args.reserve_gib * GIB))
+    if args.documents:
+        job = replace(job, documents=True)
     return job, paper_model
 
 

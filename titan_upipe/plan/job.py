@@ -102,6 +102,9 @@ class PlanInput:
     gpus_per_node: int = 8
     reserve_bytes: int | None = None
     """Kept free when checking a fit; None: RUNTIME_RESERVE_GIB_CUDA on cuda, 0 on cpu."""
+    documents: bool = False
+    """Packed documents: the model args' ``attn_mask_type == "block_causal"``. Every rank holds the
+    global batch's ``DocumentMask`` (``titan_upipe.plan.documents``)."""
 
     # ---- the CP layout
     @cached_property

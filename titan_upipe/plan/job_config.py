@@ -1,5 +1,6 @@
-"""A parsed TorchTitan JobConfig as a PlanInput: the flavor's dimensions, the CP converter and
-degrees, the memory transforms, activation checkpointing and the dtypes."""
+"""A parsed TorchTitan JobConfig as a PlanInput: the flavor's dimensions and mask type (packed
+documents with ``attn_mask_type = "block_causal"``), the CP converter and degrees, the memory
+transforms, activation checkpointing and the dtypes."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def _dtype_bytes(name: str) -> int:
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
     """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.train.parse_config``)."""
-    dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}",
-                                flavor_args(job_config, update=False))
+    model_args = flavor_args(job_config, update=False)
+    dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args)
     converters = list(job_config.model.converters)
     par = job_config.parallelism
     cp = par.context_parallel_degree
@@ -61,7 +62,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac_mode,
         attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
         cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
-        device=device,
+        device=device, documents=getattr(model_args, "attn_mask_type", "causal") == "block_causal",
     )
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.plan.documents import documents_summary
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
-from titan_upipe.plan.units import GIB, K, format_length, parse_length
+from titan_upipe.plan.units import GIB, K, format_bytes, format_length, parse_length
 
 PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
 PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}
@@ -43,6 +44,7 @@ def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: flo
         "host_gib": result.host_bytes / GIB,
         "host_gib_per_rank": result.host_bytes_per_rank / GIB,
         "host_pinned": result.host_pinned,
+        "documents": documents_summary(job),
         "notes": result.notes,
     }
     if gpu_mem_bytes is not None:
@@ -74,6 +76,11 @@ def render(result: MemoryPlan, info: dict) -> str:
     lines.append(f"  {'= peak (predicted max_memory_allocated)':<{width}}  {result.peak_gpu_bytes / GIB:9.3f} GiB")
     lines.append(f"  {'+ runtime reserve (not allocated; fit check only)':<{width}}  {job.reserve / GIB:9.3f} GiB")
     lines.append("phase peaks: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in result.phase_peaks.items()))
+    if info.get("documents"):
+        d = info["documents"]
+        lines.append(f"packed documents: document index {format_bytes(d['document_index_bytes'])} per rank (in every "
+                     f"moment); transients: mask build {format_bytes(d['mask_build_bytes'])}, segments build "
+                     f"{format_bytes(d['segments_build_bytes'])} (at block 0's first attention call)")
     pin = "pinned" if result.host_pinned else "pageable"
     lines.append(f"host (offloaded block inputs, {pin}): {result.host_bytes_per_rank / GIB:.1f} GiB per rank, "
                  f"{result.host_bytes / GIB:.1f} GiB per node")

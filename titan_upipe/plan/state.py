@@ -2,10 +2,11 @@
 
 State, per rank, with ``P`` parameters over ``W`` FSDP ranks: fp32 parameter shards
 ``4 ceil(P/W)``, AdamW's two fp32 moments ``8 ceil(P/W)`` (+ a 4-byte step per tensor), the fp32
-gradient shards reduced so far, the int64 token batch, and RoPE (this rank's rows with
-fused_rope, else TorchTitan's full-length table on every rank). FSDP2: the unsharded block and
-its all-gather buffer, in the compute dtype; in backward the next block's prefetch and the
-previous group's fp32 reduce-scatter input. RMSNorm outputs (``u``) and, untiled, their saved
+gradient shards reduced so far, the int64 token batch, RoPE (this rank's rows with
+fused_rope, else TorchTitan's full-length table on every rank) and, with packed documents, the
+global batch's int64 document index ``8 B S`` (``titan_upipe.plan.documents``). FSDP2: the
+unsharded block and its all-gather buffer, in the compute dtype; in backward the next block's
+prefetch and the previous group's fp32 reduce-scatter input. RMSNorm outputs (``u``) and, untiled, their saved
 statistics; the plain MLP's four ``[T, F]`` saved tensors.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from titan_upipe.plan.documents import document_index_terms
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms
 
@@ -23,7 +25,7 @@ FFN_NORM = (Term.FFN_NORM_OUT, Term.FFN_NORM_STATS)
 
 def state_terms(s: StepSizes, grads: int) -> Terms:
     """Parameters, AdamW moments (steady state: a step after the first), ``grads`` bytes of
-    reduced gradient shards, the token batch and RoPE."""
+    reduced gradient shards, the token batch, RoPE and the document index (packed documents)."""
     m, w, job = s.model, s.fsdp, s.job
     terms: Terms = {
         Term.PARAMS: math.ceil(m.total_params / w) * 4,
@@ -33,6 +35,7 @@ def state_terms(s: StepSizes, grads: int) -> Terms:
         Term.TOKENS: 2 * 8 * job.batch * (job.seq_len + job.local_len) + 3 * 8 * job.local_len,
     }
     terms.update(rope_terms(s))
+    terms.update(document_index_terms(job))
     return terms
 
 

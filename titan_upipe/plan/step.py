@@ -3,13 +3,15 @@
 Moments: the embedding, the forward of the first and last block (the last has the most below
 it), the loss forward and backward, the backward of the last, second-to-last and first block
 (recomputation, MLP, ffn_norm, attention, the block's reduce-scatter), the embedding backward
-and the AdamW step. Each moment is the state, FSDP's buffers, the activations kept by the blocks
-below (``below``) and the terms of what runs; the peak is the largest total.
+and the AdamW step (with packed documents also the mask's build and its segments' at block 0).
+Each moment is the state, FSDP's buffers, the activations kept by the blocks below (``below``)
+and the terms of what runs; the peak is the largest total.
 """
 
 from __future__ import annotations
 
 from titan_upipe.plan.block import attention_terms, block_backward_moments, block_forward_peak, block_retained
+from titan_upipe.plan.documents import documents_note, mask_build_bytes, segments_build_bytes
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.loss import loss_terms
 from titan_upipe.plan.result import MemoryPlan, Moment
@@ -55,9 +57,24 @@ class StepWalk:
         self.optimizer()
         return self.host()
 
+    def documents(self) -> None:
+        """Packed documents: the mask built from the global batch (before the forward) and its
+        segments (at block 0's first attention call, beside the block input and its norm)."""
+        s, job = self.sizes, self.job
+        if not job.documents:
+            return
+        self.add("forward", "document mask built (from_eos)",
+                 {**state_terms(s, 0), Term.DOC_BUILD: mask_build_bytes(job)})
+        inputs = {Term.BLOCK0_INPUT: s.hidden} if job.ac_mode == "none" else {Term.BLOCK_INPUT: s.hidden}
+        terms = {**state_terms(s, 0), **fsdp_block_terms(s, "forward", 0), **inputs}
+        self.add("forward", "block 0 forward: document segments built", terms,
+                 ("block 0 fwd", {**norm_out(s, ATTENTION_NORM), Term.DOC_SEGMENTS_BUILD: segments_build_bytes(job)}))
+        self.notes.append(documents_note(job))
+
     def forward(self) -> None:
         """The embedding, then the first and last block's forward peak."""
         s, job, m, u = self.sizes, self.job, self.sizes.model, self.sizes.hidden
+        self.documents()
         terms = state_terms(s, 0)
         if s.fsdp > 1:
             terms[Term.FSDP_EMBEDDING_GATHER] = 2 * m.embedding_params * s.weight_bytes

@@ -27,6 +27,10 @@ class Term(Enum):
     ROPE_ROWS = "RoPE rows of this rank's positions (fused_rope)"
     ROPE_TABLE = "RoPE table, full length (no fused_rope)"
     ADAMW_TEMP = "AdamW foreach temporary (sqrt(exp_avg_sq), fp32 shards)"
+    # packed documents (block_causal): titan_upipe.plan.documents
+    DOC_INDEX = "document index of the global batch (int64 [B, S], every rank)"
+    DOC_BUILD = "document mask build: EOS as int64 and its cumsum (from_eos)"
+    DOC_SEGMENTS_BUILD = "document segments build: positions, their documents, run breaks"
     # FSDP2
     FSDP_BLOCK = "FSDP: unsharded block parameters"
     FSDP_GATHER_THIS = "FSDP: all-gather buffer of this block (kept until the next all-gather)"

@@ -1,0 +1,43 @@
+"""The trainer's CP inputs for packed documents: ``attn_mask_type`` read from the model args, the
+documents built from the global batch by TorchTitan's EOS rule (checked against TorchTitan's own
+``block_causal`` mask_mod, materialized)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import and_masks, create_mask
+from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
+
+from titan_upipe.cp_inputs import document_attention_masks
+from titan_upipe.data import tokenizer as vocab
+from titan_upipe.data.synthetic import docs_sample
+from titan_upipe.errors import ConfigError
+
+EOS = vocab.EOS_ID
+
+
+def _args(mask_type: str) -> SimpleNamespace:
+    return SimpleNamespace(attn_type="flex", attn_mask_type=mask_type)
+
+
+def test_block_causal_documents_are_torchtitans():
+    tokens = torch.stack([torch.from_numpy(docs_sample(i, 256)[:-1]) for i in range(3)])
+    tokens[2, -1] = EOS  # an EOS at the last position closes the row's last document
+    mask = document_attention_masks(tokens, _args("block_causal"), SimpleNamespace(eos_id=EOS))
+    positions = torch.arange(tokens.shape[1])
+    theirs = create_mask(and_masks(get_causal_mask_mod(), get_document_mask_mod(tokens, EOS)), 3, None, 256, 256,
+                         device="cpu")[:, 0]
+    assert torch.equal(mask.visible(positions, positions), theirs)
+    assert (tokens == EOS).any(dim=1).all() and not torch.equal(theirs, theirs[0].tril().expand_as(theirs))
+
+
+def test_causal_needs_no_mask_and_other_types_or_no_eos_are_refused():
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    assert document_attention_masks(tokens, _args("causal"), SimpleNamespace(eos_id=EOS)) is None
+    assert document_attention_masks(tokens, SimpleNamespace(), None) is None  # args without mask settings
+    with pytest.raises(ConfigError, match=r"attn_mask_type = 'sliding_window' .* valid values are causal, "
+                                          r"block_causal"):
+        document_attention_masks(tokens, _args("sliding_window"), SimpleNamespace(eos_id=EOS))
+    with pytest.raises(ConfigError, match="the tokenizer has no EOS"):
+        document_attention_masks(tokens, _args("block_causal"), SimpleNamespace(eos_id=None))
