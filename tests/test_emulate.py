@@ -224,3 +224,37 @@ def test_tracker_sees_storage_resizes():
         mem.reset_peak()
         assert mem.peak_bytes == 4096
     assert mem.current_bytes == 4096
+
+
+_DOCUMENTS = """
+import json
+from titan_upipe.attention import module
+from titan_upipe.emulate import measure_step
+from titan_upipe.emulate.cli import report_lines
+from titan_upipe.train import parse_config
+
+calls = []
+
+
+class CountingDocumentBackend(module.DocumentMaskedBackend):
+    def forward(self, *args, **kwargs):
+        calls.append(len(self.segments[0]))
+        return super().forward(*args, **kwargs)
+
+
+module.DocumentMaskedBackend = CountingDocumentBackend
+job = parse_config(["--job.config_file", "configs/debug/llama3_upipe_docs.toml", "--training.seq_len", "96"])
+m = measure_step(job, 2, fake=True)
+print(json.dumps({"documents": m.documents, "calls": calls, "report": report_lines(m)[1]}))
+"""
+
+
+def test_block_causal_flavors_are_emulated_with_their_documents():
+    """A block_causal flavor's step runs packed documents through the document-masked kernel (not
+    plain causal attention), and the report says so."""
+    proc = subprocess.run([sys.executable, "-c", _DOCUMENTS], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["documents"] and "block_causal" in result["report"]
+    assert result["calls"] and all(n == 5 for n in result["calls"]), result  # EOS at 0, 32, 33, 65: 5 documents

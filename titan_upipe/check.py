@@ -9,7 +9,12 @@ builder the emulator uses too): the *reference*, TorchTitan's unconverted model 
 memory transforms) on this rank's sequence shard in the layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
 are summed and their logits gathered, and rank 0 prints the max relative error
 (max |parallel - reference| / max |reference|) of the loss, the logits and every gradient.
-Exit code 1 when one exceeds the tolerance. FSDP and activation checkpointing are not
+Exit code 1 when one exceeds the tolerance. With a ``block_causal`` flavor the batch holds packed
+documents (EOS tokens: a 1-token document first, documents across the shard boundaries, a
+different split per row), the parallel model gets the trainer's document mask
+(``cp_inputs.document_attention_masks``), and the reference is TorchTitan's model with its
+``sdpa`` (causal) attention run on each document alone at its global positions, concatenated:
+block-causal attention by definition, none of the plugin's mask code. FSDP and activation checkpointing are not
 applied (they do not change the math; the end-to-end tests cover them); every rank holds
 the whole model, so use a short ``--seq-len`` for big models.
 """
@@ -20,6 +25,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,7 +36,9 @@ from torchtitan.distributed import ParallelDims
 # substitute a sabotaged layout and see the check fail.
 from titan_upipe import parallel as sequence_layouts
 from titan_upipe.attention import sequence_mesh
+from titan_upipe.cp_inputs import document_attention_masks, document_runs, packed_document_tokens
 from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
+from titan_upipe.flavors import flavor_args
 from titan_upipe.registry import register_plugin
 from titan_upipe.train import parse_config
 from titan_upipe.transforms.model_forward import FinalHiddenStates
@@ -92,10 +100,12 @@ def _logits(pred):
     return pred.detach()
 
 
-def _build_models(job_config, parallel_dims, device, dtype, seed: int):
-    """The reference (no converters) and the parallel model (the config's converters), same
-    weights; neither parallelized (no AC, no FSDP)."""
-    reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False)
+def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents: bool):
+    """The reference (no converters; with documents TorchTitan's sdpa kernel, run per document)
+    and the parallel model (the config's converters), same weights; neither parallelized (no AC,
+    no FSDP)."""
+    reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False,
+                                 attn_type="sdpa" if documents else None)
     parallel = build_rank_model(job_config, parallel_dims, device, seed=seed, parallelize=False)
     parallel.model.load_state_dict(reference.model.state_dict())
     # Parameters in the compute dtype, as FSDP's mixed precision gives them to the model;
@@ -133,14 +143,25 @@ def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
     return setup, owns_process_group
 
 
-def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int):
+def reference_prediction(model, inputs: torch.Tensor, runs: list[list[tuple[int, int]]] | None):
+    """The reference model's logits ``[B, S, V]``: on the whole batch, or each document alone at its
+    global positions (RoPE unchanged), concatenated."""
+    if runs is None:
+        return model(inputs)
+    rows = [torch.cat([model(inputs[row:row + 1, a:c], positions=torch.arange(a, c, device=inputs.device)[None])
+                       for a, c in row_runs], dim=1)
+            for row, row_runs in enumerate(runs)]
+    return torch.cat(rows, dim=0)
+
+
+def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int, masks=None):
     """Forward and backward of the parallel model on this rank's shard in the trainer's layout;
     the loss and gradients summed over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
     if setup.cp > 1:
         cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
         local_inputs, positions = sequence_layouts.shard_sequence(inputs, cp_mesh, seq_dim=1)
         local_labels, _ = sequence_layouts.shard_sequence(labels, cp_mesh, seq_dim=1)
-        pred = model(local_inputs, positions=positions)
+        pred = model(local_inputs, attention_masks=masks, positions=positions)
     else:
         cp_mesh, local_labels = None, labels
         pred = model(inputs)
@@ -161,11 +182,11 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
 
 
 def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: int, loss_sum, logits,
-             grads) -> bool:
-    """Rank 0: the reference's forward and backward on the full batch, the comparison printed;
-    whether it failed."""
+             grads, runs=None) -> bool:
+    """Rank 0: the reference's forward and backward on the full batch (or per document), the
+    comparison printed; whether it failed."""
     options, job_config, tolerance = setup.options, setup.job_config, setup.tolerance
-    ref_pred = reference(inputs)
+    ref_pred = reference_prediction(reference, inputs, runs)
     ref_loss = loss_fn(ref_pred, labels) / n_tokens
     ref_loss.backward()
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
@@ -176,7 +197,8 @@ def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: in
                 for name in ref_grads if name in grads]
     print(f"titan_upipe.check: {job_config.job.config_file} | converters "
           f"{', '.join(job_config.model.converters) or '(none)'} | CP {setup.cp} | seq_len "
-          f"{job_config.training.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}")
+          f"{job_config.training.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}"
+          + (f" | block_causal, documents per row {[len(r) for r in runs]}" if runs else ""))
     print(f"  loss: parallel {loss_sum.item():.7f}  single device {ref_loss.item():.7f}")
     for result in results[:2]:
         print(result.line(tolerance))
@@ -197,17 +219,31 @@ def run_check(argv: list[str]) -> int:
     register_plugin()
     setup, owns_process_group = _setup(argv)
     options, job_config = setup.options, setup.job_config
-    reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed)
+    documents = getattr(flavor_args(job_config), "attn_mask_type", "causal") == "block_causal"
+    if documents and setup.cp == 1:
+        raise SystemExit("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
+                         "attention against TorchTitan's per document: set parallelism.context_parallel_degree "
+                         ">= 2 with a CP converter")
+    reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed,
+                                        documents)
     loss_fn = build_loss_fn(parallel.spec, job_config, setup.parallel_dims)
     generator = torch.Generator().manual_seed(options.seed)
-    tokens = torch.randint(0, parallel.args.vocab_size, (options.batch, job_config.training.seq_len + 1),
+    vocab = parallel.args.vocab_size
+    eos_id = vocab - 1  # the document separator; the random tokens stay below it
+    tokens = torch.randint(0, vocab - 1 if documents else vocab, (options.batch, job_config.training.seq_len + 1),
                            generator=generator).to(setup.device)
+    if documents:
+        tokens = packed_document_tokens(tokens, eos_id)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     n_tokens = labels.numel()
-    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens)
+    masks, runs = None, None
+    if documents:
+        masks = document_attention_masks(inputs, parallel.args, SimpleNamespace(eos_id=eos_id))
+        runs = document_runs(inputs, eos_id)
+    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens, masks)
     failed = False
     if setup.rank == 0:
-        failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads)
+        failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads, runs)
     if setup.world_size > 1:
         verdict = torch.tensor([int(failed)], device=setup.device)
         dist.broadcast(verdict, src=0)

@@ -90,7 +90,8 @@ def report_lines(m) -> list[str]:
         f"{m.config}: {m.model}/{m.flavor}, rank {m.rank} of {m.world_size} {how} on {m.device}",
         f"  layout       {m.cp_mode or 'no CP'}: CP {m.cp_degree} (ulysses {m.ulysses_degree} x ring "
         f"{m.ring_degree}{u}), FSDP over {m.dp_shard * m.cp_degree} ranks, seq_len {m.seq_len} x batch {m.batch} "
-        f"({m.local_tokens} tokens on this rank), {m.param_dtype}, AC {m.activation_checkpoint}",
+        f"({m.local_tokens} tokens on this rank), {m.param_dtype}, AC {m.activation_checkpoint}"
+        + (", attention block_causal (packed documents, their mask on every rank)" if m.documents else ""),
         f"  layers       {m.n_layers} measured, {m.n_layers_full} in the full model; step {m.steps} of {m.steps}",
         "",
         f"  memory (per rank)               {'measured':>13}   {'full model':>13}",

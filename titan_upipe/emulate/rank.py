@@ -69,17 +69,22 @@ class RankModel:
 
 
 def build_rank_model(job_config, parallel_dims: ParallelDims, device: torch.device, *, seed: int,
-                     n_layers: int | None = None, convert: bool = True, parallelize: bool = True) -> RankModel:
+                     n_layers: int | None = None, convert: bool = True, parallelize: bool = True,
+                     attn_type: str | None = None) -> RankModel:
     """Build the configured model for one rank in the trainer's order (module docstring).
 
     ``n_layers``: build this many transformer blocks instead of the flavor's.
     ``convert=False``: TorchTitan's model without ``model.converters`` (the parity reference).
     ``parallelize=False``: skip the spec's ``parallelize_fn`` (no AC, no FSDP: every rank holds
-    the whole model). Weights come from ``init_weights`` after ``torch.manual_seed(seed)``.
+    the whole model). ``attn_type``: TorchTitan's attention kernel instead of the flavor's (the
+    parity check's per-document reference runs ``sdpa``; the weights do not depend on it).
+    Weights come from ``init_weights`` after ``torch.manual_seed(seed)``.
     """
     register_plugin()
     spec = get_train_spec(job_config.model.name)
     args = flavor_args(job_config)
+    if attn_type is not None:
+        args.attn_type = attn_type
     n_full = args.n_layers
     if n_layers is not None:
         if n_layers < 1:
@@ -125,6 +130,8 @@ class TrainingRank:
     vocab_size: int
     names: dict[int, str]
     """Parameter name by ``id(parameter)``."""
+    documents: bool = False
+    """The flavor's ``attn_mask_type`` is ``block_causal``: steps run packed documents under their mask."""
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -167,4 +174,5 @@ def build_training_rank(job_config, world_size: int, device: torch.device, n_lay
     amp = dist_utils.maybe_enable_amp(parallel_dims, job_config.training.mixed_precision_param, device.type)
     names = {id(p): name for name, p in model.named_parameters()}
     return TrainingRank(model, optimizers, loss_fn, amp, parallel_dims, built.args.n_layers, built.n_layers_full,
-                        built.args.vocab_size, names)
+                        built.args.vocab_size, names,
+                        documents=getattr(built.args, "attn_mask_type", "causal") == "block_causal")

@@ -13,12 +13,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
+from titan_upipe.cp_inputs import document_attention_masks, packed_document_tokens
 from titan_upipe.emulate.rank import TrainingRank
+from titan_upipe.errors import ConfigError
 from titan_upipe.memory_tracker import StepTracker, storage_bytes
 from titan_upipe.parallel import shard_sequence
 from titan_upipe.transforms.offload import OFFLOAD_STATS
@@ -151,11 +154,22 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
     generator = torch.Generator(device=device).manual_seed(job_config.debug.seed + step)
     inputs = torch.randint(0, rank.vocab_size, (batch, seq), device=device, generator=generator)
     labels = torch.randint(0, rank.vocab_size, (batch, seq), device=device, generator=generator)
+    masks = None
+    if rank.documents:
+        if cp_mesh is None:
+            raise ConfigError("the emulator runs attn_mask_type 'block_causal' through a CP converter only "
+                              "(TorchTitan's own flex/varlen kernels are not emulated): add one to model.converters")
+        # Packed documents (the check's EOS pattern), their mask built as the trainer builds it.
+        eos_id = rank.vocab_size - 1
+        inputs = packed_document_tokens(inputs.clamp(max=eos_id - 1), eos_id)
+        masks = document_attention_masks(inputs, SimpleNamespace(attn_mask_type="block_causal"),
+                                         SimpleNamespace(eos_id=eos_id))
     if cp_mesh is None:
         return _Batch(inputs, labels, inputs, labels, {})
     local_inputs, positions = shard_sequence(inputs, cp_mesh, seq_dim=1)
     local_labels, label_positions = shard_sequence(labels, cp_mesh, seq_dim=1)
-    return _Batch(inputs, labels, local_inputs, local_labels, {"positions": positions}, label_positions)
+    extra = {"positions": positions} if masks is None else {"positions": positions, "attention_masks": masks}
+    return _Batch(inputs, labels, local_inputs, local_labels, extra, label_positions)
 
 
 def _forward_loss(rank: TrainingRank, batch: _Batch, global_tokens: float, blocks: BlockMemory) -> torch.Tensor:
