@@ -379,3 +379,18 @@ def test_document_ring_plan_skips_blocks_with_no_visible_key():
     assert calls == (RectangleCall(0, 0, 0, (0, 2), (0, 2)),)  # chunk 1 sees chunk 0 (document 0)
     assert document_step_calls(0, 2, 1, 2, documents) == (RectangleCall(0, 1, 1, (0, 2), (0, 2)),)
     assert document_step_calls(0, 2, 1, 2, [[(0, 2), (2, 6), (6, 8)]]) == ()  # chunk 3 starts document 2
+
+
+def test_segment_tables_are_built_once_per_mask_and_device():
+    """Every layer and stage of a step reads the same block segments: their table (and its varlen
+    cu_seqlens on the device) is built once per mask, not once per kernel call."""
+    from titan_upipe.attention.documents import check_attention_masks, document_mask
+
+    mask = document_mask(torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]]))
+    table = mask.table(mask.document_segments)
+    assert mask.table([list(r) for r in mask.document_segments]) is table
+    cu, longest = table.boundaries(8, torch.device("cpu"))
+    assert cu.tolist() == [0, 2, 5, 8, 9, 16] and longest == 7
+    assert table.boundaries(8, torch.device("cpu"))[0] is cu
+    with pytest.raises(ConfigError, match="2 rows but the batch has 1"):
+        check_attention_masks(mask, 8, batch=1)

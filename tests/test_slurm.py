@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 from slurm_cluster import LocalCluster, install_packages
@@ -17,6 +18,8 @@ from trainer_utils import REPO, losses
 
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 STEPS = 3
+TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                   "BOOT_FAIL", "DEADLINE"}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +46,26 @@ def _submit(cluster: LocalCluster, workdir, config: str, *overrides: str) -> tup
         "LOG_DIR": str(workdir / "ranks"),
     }
     # The script asks for 8 GPUs per node and 2 nodes; this CPU cluster has one node, no GPUs.
-    cmd = ["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive",
+    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--exclusive",
            f"--output={workdir}/%x-%j.out", str(SBATCH), *overrides]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    return proc, proc.stdout.strip().split(";")[0]
+    job_id = proc.stdout.strip().split(";")[0]
+    if proc.returncode == 0:
+        # What `sbatch --wait` does, polled every half second (its own poll backs off to tens of
+        # seconds): the exit status is the job's, as Slurm accounts it.
+        info = _wait_for(cluster, job_id)
+        proc.returncode = 0 if info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0" else 1
+    return proc, job_id
+
+
+def _wait_for(cluster: LocalCluster, job_id: str, timeout_s: float = 600) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job_id)
+        if info.get("JobState") in TERMINAL_STATES:
+            return info
+        time.sleep(0.5)
+    raise AssertionError(f"Slurm job {job_id} did not finish in {timeout_s:.0f} s: {cluster.job_info(job_id)}")
 
 
 def test_sbatch_trains_on_local_slurm(cluster, tmp_path):

@@ -49,13 +49,6 @@ def test_tensorboard_has_loss_throughput_and_memory(llama3_one_rank):
     assert all(0.05 < v < 24 for _, v in scalars["memory/max_reserved(GiB)"])
 
 
-def test_torchtitan_entry_point_with_custom_import(tmp_path):
-    """Users who launch torchtitan.train directly get the plugin through experimental.custom_import."""
-    torchrun(2, "torchtitan.train", "configs/debug/qwen3_fsdp.toml", tmp_path, "--training.steps", "2")
-    loss = losses(tmp_path)
-    assert len(loss) == 2 and all(0 < v < 20 for v in loss)
-
-
 # --- context parallelism through the real trainer (UPipe core issue) -------------------------
 
 VALIDATION = "validation_metrics/loss"
@@ -109,9 +102,12 @@ def check_counters(out, local_batch: int, cp: int, data_parallel: int, plain_sam
 
 
 def test_qwen3_upipe_matches_one_rank(tmp_path_factory):
+    """Qwen3 UPipe (CP 2) equals one rank; the one-rank run is launched through TorchTitan's own entry
+    point (``torchtitan.train``): users who launch it directly get the plugin through the configs'
+    ``experimental.custom_import``."""
     seed = create_seed_checkpoint("configs/debug/qwen3_fsdp.toml", tmp_path_factory.mktemp("qwen_seed"))
     one, cp = tmp_path_factory.mktemp("qwen_one"), tmp_path_factory.mktemp("qwen_cp")
-    torchrun(1, "titan_upipe.train", "configs/debug/qwen3_fsdp.toml", one, "--training.steps", "3",
+    torchrun(1, "torchtitan.train", "configs/debug/qwen3_fsdp.toml", one, "--training.steps", "3",
              "--training.local_batch_size", "2", *load_seed(seed))
     torchrun(2, "titan_upipe.train", "configs/debug/qwen3_upipe.toml", cp, "--training.steps", "3",
              "--training.local_batch_size", "2", *load_seed(seed))
@@ -153,15 +149,3 @@ def test_block_causal_matches_one_rank(llama3_seed, docs_one_rank, tmp_path, ove
     assert_losses_close(losses(tmp_path), losses(docs_one_rank), rtol=1e-5)
     assert [s for s, _ in read_scalars(tmp_path)[VALIDATION]] == [1, 2, 4]
     assert_losses_close(losses(tmp_path, VALIDATION), losses(docs_one_rank, VALIDATION), rtol=1e-5)
-
-
-def test_packed_documents_loss_depends_on_the_mask(llama3_seed, docs_one_rank, tmp_path):
-    """The same data and weights with causal attention (documents attend across EOS) give other
-    losses, outside the parity tolerance (1e-5) at every step and by far after a few (measured:
-    1.1e-4 relative at step 1, 7.7e-5 at step 2, 6.2e-3 at step 4): the parity above is sensitive to the mask."""
-    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", tmp_path, *DOCS_RUN,
-             "--training.dataset", "synthetic_docs", *load_seed(llama3_seed))
-    masked, unmasked = losses(docs_one_rank), losses(tmp_path)
-    assert len(unmasked) == len(masked)
-    assert all(abs(u - m) > 5 * 1e-5 * m for u, m in zip(unmasked, masked, strict=True)), (unmasked, masked)
-    assert abs(unmasked[-1] - masked[-1]) > 1e-3 * masked[-1], (unmasked, masked)

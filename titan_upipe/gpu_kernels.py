@@ -332,8 +332,8 @@ def compile_checks(device: str) -> list[dict]:
                     ok, detail)]
 
 
-CHECKS = {"contract": contract_checks, "varlen": varlen_checks, "fused_ce": fused_ce_checks, "offload_streams": offload_checks,
-          "bf16_parity": parity_checks, "compile": compile_checks}
+CHECKS = {"contract": contract_checks, "varlen": varlen_checks, "fused_ce": fused_ce_checks,
+          "offload_streams": offload_checks, "bf16_parity": parity_checks, "compile": compile_checks}
 
 
 def run_kernel_checks(device: str = "cuda") -> list[dict]:

@@ -2,8 +2,8 @@
 
 For ``K = validation.steps`` batches of ``D`` data-parallel ranks, CP rank ``c`` of batch ``d``
 holding the loss sum ``L_{k,d,c}`` of its ``1/C`` of the tokens (sharded like training,
-``cp_inputs.shard_batch``, with the same ``block_causal`` documents) and ``N_{k,d}`` the valid tokens of batch ``d`` (counted whole, before
-sharding)::
+``cp_inputs.shard_batch``, with the same ``block_causal`` documents) and ``N_{k,d}`` the valid
+tokens of batch ``d`` (counted whole, before sharding)::
 
     validation loss = (1/K) Σ_k  Σ_{d,c} L_{k,d,c} / Σ_d N_{k,d}
 

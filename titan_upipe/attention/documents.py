@@ -35,7 +35,7 @@ Tensors use the SDPA layout of ``backends.py``: ``q [B, Hq, Sq, D]``, ``k``/``v`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -89,6 +89,8 @@ class DocumentMask:
     """
 
     doc: Tensor
+    _tables: dict = field(default_factory=dict, init=False, repr=False)
+    """``SegmentTable`` by segments: each block's table (and its device boundaries) built once per step."""
 
     @classmethod
     def from_ids(cls, document_ids: Tensor) -> DocumentMask:
@@ -178,6 +180,14 @@ class DocumentMask:
         """``segments`` of the whole sequence (positions ``0 .. S-1``: each document one run),
         computed once per mask: every layer's attention of a step reads the same mask."""
         return self.segments(torch.arange(self.seq_len, device=self.doc.device))
+
+    def table(self, segments) -> SegmentTable:
+        """The ``SegmentTable`` of ``segments`` (per row, runs tiling one block), shared by every layer
+        and stage of the step: its varlen ``cu_seqlens`` reach the device once, not once per call."""
+        key = tuple(tuple(row) for row in segments)
+        if key not in self._tables:
+            self._tables[key] = SegmentTable([list(row) for row in key])
+        return self._tables[key]
 
     def cu_seqlens(self, positions: Tensor) -> list[Tensor]:
         """Per row, int32 ``[n_segments + 1]``: cumulative segment lengths ``0, ..., len(positions)``,
@@ -330,20 +340,45 @@ def _varlen_boundaries(segments: list[list[Segment]], seq_len: int, device: torc
     return torch.tensor([0, *stops], dtype=torch.int32, device=device), longest
 
 
-def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+class SegmentTable:
+    """Each row's runs ``[a, c)`` tiling one block, checked once, and their varlen boundaries per
+    device, built once (a host-to-device copy syncs the host: once per step, not per call)."""
+
+    def __init__(self, rows: list[list[Segment]]) -> None:
+        self.rows = rows
+        self._boundaries: dict[tuple[str, int], tuple[Tensor, int]] = {}
+        self._checked: set[tuple[int, int]] = set()
+
+    def check(self, q: Tensor) -> None:
+        if (q.shape[0], q.shape[2]) not in self._checked:
+            _check_segments(self.rows, q)
+            self._checked.add((q.shape[0], q.shape[2]))
+
+    def boundaries(self, seq_len: int, device: torch.device) -> tuple[Tensor, int]:
+        key = (str(device), seq_len)
+        if key not in self._boundaries:
+            self._boundaries[key] = _varlen_boundaries(self.rows, seq_len, device)
+        return self._boundaries[key]
+
+
+def _as_table(segments: list[list[Segment]] | SegmentTable) -> SegmentTable:
+    return segments if isinstance(segments, SegmentTable) else SegmentTable(segments)
+
+
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: SegmentTable,
                     backend: LocalAttentionBackend) -> tuple[Tensor, Tensor]:
     """Every segment of every row in one ``backend.varlen_forward``; ``lse [Hq, B*S] -> [B, Hq, S]``."""
     b, hq, s, _ = q.shape
-    cu_seqlens, longest = _varlen_boundaries(segments, s, q.device)
+    cu_seqlens, longest = segments.boundaries(s, q.device)
     out, lse = backend.varlen_forward(_packed(q), _packed(k), _packed(v), scale, cu_seqlens, longest)
     return _unpacked(out, b), lse.reshape(hq, b, s).transpose(0, 1).contiguous()
 
 
 def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                     segments: list[list[Segment]], backend: LocalAttentionBackend) -> tuple[Tensor, Tensor, Tensor]:
+                     segments: SegmentTable, backend: LocalAttentionBackend) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient of ``_varlen_forward`` in one ``backend.varlen_backward``, from the merged out/lse."""
     b, hq, s, _ = q.shape
-    cu_seqlens, longest = _varlen_boundaries(segments, s, q.device)
+    cu_seqlens, longest = segments.boundaries(s, q.device)
     packed_lse = lse.transpose(0, 1).reshape(hq, b * s)  # [B, Hq, S] -> [Hq, B*S]
     grads = backend.varlen_backward(_packed(dout), _packed(q), _packed(k), _packed(v), _packed(out),
                                     packed_lse.contiguous(), scale, cu_seqlens, longest)
@@ -376,7 +411,8 @@ def _loop_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     return dq, dk, dv
 
 
-def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segments: list[list[Segment]],
+def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                             segments: list[list[Segment]] | SegmentTable,
                              backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor]:
     """A diagonal block (``q``, ``k``, ``v`` of the same positions) as causal attention inside
     each segment: for row ``b`` and segment ``[a, c)``, ``out[b, :, a:c], lse[b, :, a:c] =
@@ -385,28 +421,31 @@ def segmented_causal_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, segm
     Equal to ``masked_forward`` with ``visible(pos, pos)`` when ``segments`` come from
     ``DocumentMask.segments(pos)`` and ``segments_are_exact(pos)``. ``backend``: torch SDPA by
     default. A backend with ``varlen`` runs every segment of the batch in one varlen call;
-    otherwise one call per segment, which only CPU allows (``document_kernel_problem``)."""
+    otherwise one call per segment, which only CPU allows (``document_kernel_problem``).
+    ``segments`` may be a ``SegmentTable`` (``DocumentMask.table``): checked and moved once per step."""
     backend = SdpaBackend() if backend is None else backend
     problem = document_kernel_problem(backend, q.device.type)
     if problem is not None:
         raise ConfigError(problem)
-    _check_segments(segments, q)
+    table = _as_table(segments)
+    table.check(q)
     if getattr(backend, "varlen", False):  # duck-typed test backends have no flag
-        return _varlen_forward(q, k, v, scale, segments, backend)
-    return _loop_forward(q, k, v, scale, segments, backend)
+        return _varlen_forward(q, k, v, scale, table, backend)
+    return _loop_forward(q, k, v, scale, table.rows, backend)
 
 
 def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              scale: float, segments: list[list[Segment]],
+                              scale: float, segments: list[list[Segment]] | SegmentTable,
                               backend: LocalAttentionBackend | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The gradient of ``segmented_causal_forward`` given the merged ``out``/``lse``: each
     segment's ``backend.backward(..., causal=True)`` written into its rows of ``dq, dk, dv``
     (one ``varlen_backward`` for the whole batch with a varlen backend)."""
-    _check_segments(segments, q)
+    table = _as_table(segments)
+    table.check(q)
     backend = SdpaBackend() if backend is None else backend
     if getattr(backend, "varlen", False):
-        return _varlen_backward(dout, q, k, v, out, lse, scale, segments, backend)
-    return _loop_backward(dout, q, k, v, out, lse, scale, segments, backend)
+        return _varlen_backward(dout, q, k, v, out, lse, scale, table, backend)
+    return _loop_backward(dout, q, k, v, out, lse, scale, table.rows, backend)
 
 
 # ---------------------------------------------------------------------------- the converted attention's masks
@@ -417,7 +456,8 @@ def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
     document, each one contiguous run) as the ``attention_masks`` a converted attention accepts.
 
     Query ``i`` attends key ``j`` iff ``j <= i`` and both lie in the same document; RoPE keeps the
-    global positions (pass per-document ``positions`` to the model to change that). Every CP mode
+    global positions (per-document ``positions``, ``DocumentMask.positions()``, can be passed when
+    calling a converted attention directly; the trainer passes the layout's). Every CP mode
     reads it: Ulysses and UPipe run each document causally after the all-to-all, the ring layouts
     (ring, usp, UPipe inside USP) plan each block pair from it (``ring_plan.document_step_calls``).
     With ``cp_mesh``, ``S`` is checked against the mesh's sequence layout here, once."""
@@ -427,7 +467,7 @@ def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
     return mask
 
 
-def check_attention_masks(attention_masks: object, seq_len: int) -> DocumentMask | None:
+def check_attention_masks(attention_masks: object, seq_len: int, batch: int | None = None) -> DocumentMask | None:
     """The document mask of one attention call (None: plain causal); a flex ``BlockMask``, varlen
     metadata or a mask of another length raise ConfigError."""
     if attention_masks is None:
@@ -439,6 +479,9 @@ def check_attention_masks(attention_masks: object, seq_len: int) -> DocumentMask
     if attention_masks.seq_len != seq_len:
         raise ConfigError(f"the document mask covers {attention_masks.seq_len} tokens but the sequence has "
                           f"{seq_len}: build it from the global [batch, seq_len] batch, before CP sharding")
+    if batch is not None and attention_masks.batch != batch:
+        raise ConfigError(f"the document mask has {attention_masks.batch} rows but the batch has {batch}: build it "
+                          "from the same global [batch, seq_len] batch the model reads")
     return attention_masks
 
 
@@ -455,15 +498,16 @@ class DocumentMaskedBackend(LocalAttentionBackend):
         self.name = inner.name
         self.merged_backward = inner.merged_backward
         self.segments = mask.document_segments
+        self.table = mask.table(self.segments)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> tuple[Tensor, Tensor]:
         self._check_causal(causal)
-        return segmented_causal_forward(q, k, v, scale, self.segments, self.inner)
+        return segmented_causal_forward(q, k, v, scale, self.table, self.inner)
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
                  causal: bool = True) -> tuple[Tensor, Tensor, Tensor]:
         self._check_causal(causal)
-        return segmented_causal_backward(dout, q, k, v, out, lse, scale, self.segments, self.inner)
+        return segmented_causal_backward(dout, q, k, v, out, lse, scale, self.table, self.inner)
 
     @staticmethod
     def _check_causal(causal: bool) -> None:

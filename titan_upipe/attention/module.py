@@ -168,7 +168,7 @@ class ContextParallelAttention(nn.Module):
         check_local_inputs(x, positions, self.cp_degree)
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
-        mask = check_attention_masks(attention_masks, x.shape[1] * self.cp_degree)
+        mask = check_attention_masks(attention_masks, x.shape[1] * self.cp_degree, x.shape[0])
         local_positions = self._local_positions(x, positions)
         ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
         backend = self.backend
@@ -176,7 +176,7 @@ class ContextParallelAttention(nn.Module):
             ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
             plans = {"rule": self.block_rule, "document_plan": self.document_plan}
             backend = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size,
-                                           documents=None if mask is None else mask.document_segments,
+                                           documents=mask,
                                            **{k: v for k, v in plans.items() if v is not None})
         elif mask is not None:
             # After the all-to-all a rank holds whole rows of its heads: each document one segment.

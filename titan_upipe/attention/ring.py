@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from titan_upipe.attention.backends import LocalAttentionBackend
 from titan_upipe.attention.documents import (
+    DocumentMask,
+    SegmentTable,
     merge_partial_masked,
     segmented_causal_backward,
     segmented_causal_forward,
@@ -44,7 +46,6 @@ from titan_upipe.attention.ring_plan import (
     DiagonalCall,
     DocumentCall,
     DocumentPlan,
-    Range,
     causal_block_kind,
     document_step_calls,
     step_calls,
@@ -70,7 +71,7 @@ class RingExchange:
 
 Index = tuple[slice, slice, slice]
 """``(rows, heads, tokens)`` of a ``[B, h, S_r, ...]`` ring-local tensor (basic slicing: views)."""
-Segments = tuple[tuple[Range, ...], ...]
+Segments = SegmentTable
 
 
 def _block_index(call: BlockCall, slot_len: int) -> tuple[Index, Index]:
@@ -103,12 +104,12 @@ class RingAttentionBackend(LocalAttentionBackend):
 
     def __init__(self, local: LocalAttentionBackend, group: dist.ProcessGroup | None, ring_rank: int,
                  ring_size: int, rule: BlockRule = causal_block_kind,
-                 documents: list[list[Range]] | None = None, document_plan: DocumentPlan = document_step_calls) -> None:
+                 documents: DocumentMask | None = None, document_plan: DocumentPlan = document_step_calls) -> None:
         self.local, self.group, self.ring_rank, self.ring_size = local, group, ring_rank, ring_size
         self.rule = rule
         """The block rule (the causal one); replaceable only to show the tests catch a wrong rule."""
         self.documents, self.document_plan = documents, document_plan
-        """Each row's document runs (None: one causal sequence) and the plan that reads them
+        """The batch's documents (None: one causal sequence) and the plan that reads their runs
         (replaceable only to show the tests catch a wrong plan)."""
 
     def _calls(self, step: int) -> tuple[BlockCall, ...]:
@@ -119,8 +120,10 @@ class RingAttentionBackend(LocalAttentionBackend):
         for one plain kernel call, or each row's segments for a causal call per document."""
         if self.documents is None:
             return [(*_block_index(call, slot_len), call.causal) for call in self._calls(step)]
-        calls = self.document_plan(self.ring_rank, self.ring_size, step, slot_len, self.documents)
-        return [(*_document_index(call, slot_len), call.segments if isinstance(call, DiagonalCall) else False)
+        calls = self.document_plan(self.ring_rank, self.ring_size, step, slot_len, self.documents.document_segments)
+        # A diagonal's segments as the mask's table: built (and sent to the device) once per step.
+        return [(*_document_index(call, slot_len),
+                 self.documents.table(call.segments) if isinstance(call, DiagonalCall) else False)
                 for call in calls]
 
     def _kernel_forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float, how: bool | Segments):

@@ -58,9 +58,9 @@ class StepMeasurement:
     n_layers: int
     """Blocks in the measured model."""
     n_layers_full: int
+    """Blocks of the configured flavor (or ``full_layers``): the depth ``full`` estimates."""
     documents: bool
     """``block_causal``: the steps ran packed documents under their document mask."""
-    """Blocks of the configured flavor (or ``full_layers``): the depth ``full`` estimates."""
     fake: bool
     rank: int
     device: str
@@ -178,7 +178,8 @@ def _step_measurement(job_config, world_size: int, rank: TrainingRank, device: t
         heads_per_stage=module.heads_per_stage if module is not None and module.mode == "upipe" else None,
         seq_len=training.seq_len, batch=training.local_batch_size,
         local_tokens=training.local_batch_size * training.seq_len // par.context_parallel_degree,
-        n_layers=rank.n_layers, n_layers_full=rank.n_layers_full, documents=rank.documents, fake=fake, rank=dist.get_rank(),
+        n_layers=rank.n_layers, n_layers_full=rank.n_layers_full, documents=rank.documents, fake=fake,
+        rank=dist.get_rank(),
         device=str(device), param_dtype=_dtype_name(param_dtype),
         activation_checkpoint=ac.mode + (" + cpu offload" if getattr(ac, "cpu_offload", False) else ""),
         steps=steps, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
