@@ -394,3 +394,16 @@ def test_segment_tables_are_built_once_per_mask_and_device():
     assert table.boundaries(8, torch.device("cpu"))[0] is cu
     with pytest.raises(ConfigError, match="2 rows but the batch has 1"):
         check_attention_masks(mask, 8, batch=1)
+
+
+def test_fsdp_input_casting_passes_the_mask_through_unchanged():
+    """FSDP2 casts block inputs with ``torch.distributed.utils._apply_to_tensors``, which rebuilds
+    dataclasses: the mask must reach every layer as the same object, its per-step caches intact."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from titan_upipe.attention.documents import document_mask
+
+    mask = document_mask(torch.tensor([[0, 0, 1, 1]]))
+    segments = mask.document_segments
+    assert _apply_to_tensors(lambda t: t.clone(), {"attention_masks": mask})["attention_masks"] is mask
+    assert mask.document_segments is segments

@@ -35,7 +35,6 @@ Tensors use the SDPA layout of ``backends.py``: ``q [B, Hq, Sq, D]``, ``k``/``v`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
@@ -80,17 +79,21 @@ def _check_contiguous(document_ids: Tensor, starts: Tensor) -> None:
                 f"{' ...' if len(where) > 8 else ''}): each packed document must occupy consecutive positions")
 
 
-@dataclass(frozen=True, eq=False)
 class DocumentMask:
     """The document of every token of a packed batch.
 
     ``doc`` is ``[B, S]`` int64: ``doc[b, i]`` numbers the documents of row ``b`` in order,
     ``0, 1, ...``, non-decreasing along the row (each document is one contiguous run).
+
+    A plain class, not a dataclass: FSDP2 casts a module's forward inputs by rebuilding every
+    dataclass field by field (``dataclasses.replace``), which would hand each block a fresh copy
+    and lose the per-step caches (``document_segments``, the segment tables) at every layer.
     """
 
-    doc: Tensor
-    _tables: dict = field(default_factory=dict, init=False, repr=False)
-    """``SegmentTable`` by segments: each block's table (and its device boundaries) built once per step."""
+    def __init__(self, doc: Tensor) -> None:
+        self.doc = doc
+        self._tables: dict[tuple, SegmentTable] = {}
+        """``SegmentTable`` by segments: each block's table (and its device boundaries) built once per step."""
 
     @classmethod
     def from_ids(cls, document_ids: Tensor) -> DocumentMask:
