@@ -21,7 +21,7 @@ CONFIGS = REPO / "configs"
 
 K, M = 1024, 1024 * 1024
 LENGTH_NAMES = {128 * K: "128k", 256 * K: "256k", 512 * K: "512k", M: "1m", 2 * M: "2m", 3 * M: "3m",
-                4 * M: "4m", 5 * M: "5m", 6 * M: "6m", 8 * M: "8m"}
+                4 * M: "4m", 5 * M: "5m", 6 * M: "6m", 7 * M: "7m", 8 * M: "8m"}
 
 MEMORY_TRANSFORMS = ["tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce"]
 
@@ -195,17 +195,24 @@ def gpu_recipes() -> list[Recipe]:
     recipes = []
     paper = dict(extra_converters=tuple(MEMORY_TRANSFORMS), offload=True)
 
-    def add(model: Model, folder: str, method: str, seq: int, ranks: int, ulysses: int = 0) -> None:
+    def add(model: Model, folder: str, method: str, seq: int, ranks: int, ulysses: int = 0,
+            optimizer_state_on_host: bool = False) -> None:
         path = f"configs/{folder}/{method}_{LENGTH_NAMES[seq]}.toml"
         layout = f"ulysses {ulysses} x ring {ranks // ulysses}" if ulysses else f"CP {ranks}"
         description = (f"{model.description}, {method} ({layout}), {LENGTH_NAMES[seq].upper()} tokens on {ranks} GPUs; "
-                       "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE")
+                       "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE"
+                       + ("; AdamW moments in host memory" if optimizer_state_on_host else ""))
+        overrides = {"optimizer": {"state_on_host": True}} if optimizer_state_on_host else {}
         recipes.append(Recipe(path, model, method, seq, ranks, ulysses_degree=ulysses, launch=_gpu_launch(ranks, path),
-                              description=description, **paper))
+                              description=description, overrides=overrides, **paper))
 
     for method in ("ulysses", "upipe", "ring"):
         for seq in (128 * K, 256 * K, 512 * K, M, 2 * M, 3 * M, 4 * M, 5 * M):
             add(LLAMA3_8B, "llama3_8b", method, seq, 8, ulysses=1 if method == "ring" else 0)
+    # Past the paper's 5M on one node (issue 18, planner predictions): 6M fits as it is, 7M with
+    # AdamW's moments in host memory (docs/planner.md, "Beyond 5M").
+    add(LLAMA3_8B, "llama3_8b", "upipe", 6 * M, 8)
+    add(LLAMA3_8B, "llama3_8b", "upipe", 7 * M, 8, optimizer_state_on_host=True)
     for method in ("usp", "upipe_usp"):
         for seq in (512 * K, M, 2 * M, 4 * M, 6 * M, 8 * M):
             add(LLAMA3_8B, "llama3_8b", method, seq, 16, ulysses=8)

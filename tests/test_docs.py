@@ -25,10 +25,16 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 
 
 def _sections():
-    from titan_upipe.config import ActivationCheckpointOffload, LocalData, Transforms, UPipe
+    from titan_upipe.config import (
+        ActivationCheckpointOffload,
+        LocalData,
+        OptimizerHostState,
+        Transforms,
+        UPipe,
+    )
 
     return [("upipe", UPipe), ("transforms", Transforms), ("activation_checkpoint", ActivationCheckpointOffload),
-            ("local_data", LocalData)]
+            ("local_data", LocalData), ("optimizer", OptimizerHostState)]
 
 
 def _section_text(doc: str, section: str) -> str:
@@ -52,7 +58,7 @@ def _toml(value: object) -> str:
     return str(value)
 
 
-@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data"])
+@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data", "optimizer"])
 def test_every_config_key_is_documented_with_its_default(section):
     doc = CONFIG_DOC.read_text()
     cls = dict(_sections())[section]

@@ -111,3 +111,23 @@ def test_every_gpu_recipe_is_a_resumable_training_job():
         assert ckpt["keep_latest_k"] >= 2 and ckpt["last_save_model_only"] is False, recipe.path
         assert ckpt["initial_load_in_hf"] and config["model"]["hf_assets_path"], recipe.path
         assert config["training"]["dataset"] == "local_text" and config["local_data"]["paths"], recipe.path
+
+
+def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
+    """Issue 18 (planner predictions): upipe_6m fits 8 x 80 GiB and 1,900 GiB of host per node as
+    it is; upipe_7m only with AdamW's moments in host memory, which it sets."""
+    from titan_upipe.plan.job_config import plan_input_from_job_config
+    from titan_upipe.plan.step import plan
+    from titan_upipe.plan.units import GIB
+    from titan_upipe.train import parse_config
+
+    gpu, host = 80 * GIB, 1900 * GIB
+    for length, on_host in (("6m", False), ("7m", True)):
+        job_config = parse_config(["--job.config_file", str(REPO / f"configs/llama3_8b/upipe_{length}.toml")])
+        assert job_config.optimizer.state_on_host is on_host
+        job = plan_input_from_job_config(job_config)
+        assert job.optimizer_state_on_host is on_host
+        assert plan(job, host).fits(gpu, host), length
+    from dataclasses import replace
+
+    assert not plan(replace(job, optimizer_state_on_host=False), host).fits(gpu, host)

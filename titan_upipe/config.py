@@ -18,7 +18,7 @@ from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
-           "Transforms", "UPipe"]
+           "OptimizerHostState", "Transforms", "UPipe"]
 
 
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
@@ -113,6 +113,17 @@ class ActivationCheckpointOffload:
 
 
 @dataclass
+class OptimizerHostState:
+    """Fields merged into TorchTitan's own ``[optimizer]`` section (checked by
+    ``titan_upipe.validation.check_optimizer``: the merged section keeps TorchTitan's class)."""
+
+    state_on_host: bool = False
+    """AdamW's ``exp_avg``/``exp_avg_sq`` in host memory (pinned on CUDA), streamed through two
+    device buffers of the largest parameter shard during the step (``titan_upipe.host_adamw``):
+    ``8 P / W`` bytes per rank move from the device to the host, the update is bitwise AdamW's."""
+
+
+@dataclass
 class LocalData:
     """The files of ``training.dataset = "local_text"`` (``titan_upipe.data.local_text``)."""
 
@@ -138,3 +149,4 @@ class JobConfig:
     transforms: Transforms = field(default_factory=Transforms)
     activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)
     local_data: LocalData = field(default_factory=LocalData)
+    optimizer: OptimizerHostState = field(default_factory=OptimizerHostState)

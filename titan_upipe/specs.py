@@ -3,7 +3,8 @@
 ``upipe_llama3`` and ``upipe_qwen3`` keep TorchTitan's model classes and
 flavors (so checkpoints and HF conversion are unchanged) and swap in our
 ``parallelize_fn``, data/tokenizer builders, validator (``titan_upipe.validator``: the loss of
-every CP layout over the global token count) and loss (TorchTitan's summed cross-entropy,
+every CP layout over the global token count), optimizers (``titan_upipe.optimizers``: AdamW's
+moments on the host with ``[optimizer] state_on_host``) and loss (TorchTitan's summed cross-entropy,
 or the fused head's under the ``fused_ce`` converter) and metrics (causal attention FLOPs,
 grouped TensorBoard tags: ``titan_upipe.metrics``). Each spec owns a copy of the flavor dict, because
 ``update_from_config`` mutates the flavor args in place.
@@ -21,6 +22,7 @@ from titan_upipe.data import builders
 from titan_upipe.flavors import BASE_MODELS, model_flavors
 from titan_upipe.loss import build_loss_fn
 from titan_upipe.metrics import build_metrics_processor
+from titan_upipe.optimizers import build_optimizers
 from titan_upipe.parallelize import parallelize
 from titan_upipe.validator import build_validator
 
@@ -37,6 +39,7 @@ def _derived_spec(name: str) -> TrainSpec:
         build_loss_fn=build_loss_fn,
         build_metrics_processor_fn=build_metrics_processor,
         build_validator_fn=build_validator,
+        build_optimizers_fn=build_optimizers,
     )
 
 

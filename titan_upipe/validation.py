@@ -259,6 +259,26 @@ def check_offload(job_config) -> None:
         raise ConfigError(f"invalid activation_checkpoint.pin_memory = {ac.pin_memory!r}: valid values are true, false")
 
 
+def check_optimizer(job_config) -> None:
+    """``[optimizer] state_on_host``: a bool, with AdamW stepped after backward (no early step in
+    backward, no TorchFT wrapper), which is what ``titan_upipe.optimizers`` builds."""
+    optimizer = job_config.optimizer
+    on_host = getattr(optimizer, "state_on_host", False)
+    if not isinstance(on_host, bool):
+        raise ConfigError(f"invalid optimizer.state_on_host = {on_host!r}: valid values are true, false")
+    if not on_host:
+        return
+    if optimizer.name != "AdamW":
+        raise ConfigError(f"optimizer.state_on_host = true runs AdamW only (got optimizer.name = {optimizer.name!r}): "
+                          "valid values are \"AdamW\"; set optimizer.name = \"AdamW\" or state_on_host = false")
+    if optimizer.early_step_in_backward:
+        raise ConfigError("optimizer.state_on_host = true does not support optimizer.early_step_in_backward = true "
+                          "(the moments are streamed once per step, after backward): valid values are false")
+    if job_config.fault_tolerance.enable:
+        raise ConfigError("optimizer.state_on_host = true does not support fault_tolerance.enable = true (TorchFT "
+                          "wraps its own optimizer container): set one of them to false")
+
+
 def check_transforms(job_config) -> None:
     """Tile sizes and backends, offload settings (converter names: ``check_converter_names``, run
     before the CP checks so that a typo is named as one); raises ConfigError."""
@@ -453,6 +473,7 @@ JOB_CHECKS = (
     lambda job_config, world_size: check_validation(job_config),
     lambda job_config, world_size: check_compile(job_config),
     lambda job_config, world_size: check_activation_checkpointing(job_config),
+    lambda job_config, world_size: check_optimizer(job_config),
 )
 """Every job-level check as ``check(job_config, world_size)``; ``titan_upipe.validate`` runs
 them all to report every problem, ``check_job`` stops at the first."""

@@ -40,7 +40,7 @@ def _model_job(args) -> PlanInput:
         gpus_per_node=args.gpus_per_node, param_bytes=2 if (args.device or "cuda") == "cuda" else 4,
         pin_memory={"auto": None, "true": True, "false": False}[args.pin_memory],
         ce_backend="liger" if (args.device or "cuda") == "cuda" else "torch",
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, optimizer_state_on_host=args.optimizer_state_on_host,
     )
     if args.no_transforms:
         job = replace(job, tiled_mlp=False, tiled_rmsnorm=False, fused_rope=False, fused_ce=False,
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--model only: local attention kernel (default flash_attn3, the paper's FA3)")
     parser.add_argument("--no-transforms", action="store_true",
                         help="--model only: full AC without offload and no tiling/fusing")
+    parser.add_argument("--optimizer-state-on-host", action="store_true",
+                        help="--model only: AdamW's moments in host memory ([optimizer] state_on_host = true)")
     parser.add_argument("--documents", action="store_true",
                         help="packed documents (block-causal masks): plan the document mask on every rank "
                              "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")

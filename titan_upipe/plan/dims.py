@@ -65,6 +65,18 @@ class ModelDims:
     def param_tensors(self) -> int:
         return self.n_layers * self.block_tensors + (2 if self.tied else 3)
 
+    def param_shapes(self) -> list[tuple[int, int]]:
+        """Every parameter as ``(rows, columns)`` (a vector is ``(n, 1)``), in no particular order:
+        per block wq, wk, wv ``[H D | KV D, d]``, wo ``[d, H D]``, w1, w3 ``[F, d]``, w2 ``[d, F]``, two
+        norms ``[d]`` (+ q/k norms ``[D]``); the embedding ``[V, d]``, the final norm and the output
+        ``[V, d]`` (none when tied). FSDP2 shards dim 0: rank 0 holds ``ceil(rows / W) columns``."""
+        d, q, kv, f = self.dim, self.q_width, self.kv_width, self.ffn_dim
+        block = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (d, f), (f, d), (d, 1), (d, 1)]
+        if self.qk_norm:
+            block += [(self.head_dim, 1), (self.head_dim, 1)]
+        tail = [(self.vocab, d), (d, 1)] + ([] if self.tied else [(self.vocab, d)])
+        return block * self.n_layers + tail
+
 
 def _llama3_ffn(dim: int, multiple_of: int, multiplier: float | None) -> int:
     """TorchTitan Llama3's hidden size: ``2/3 * 4d``, scaled, rounded up to ``multiple_of``."""

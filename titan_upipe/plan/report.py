@@ -44,6 +44,7 @@ def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: flo
         "host_gib": result.host_bytes / GIB,
         "host_gib_per_rank": result.host_bytes_per_rank / GIB,
         "host_pinned": result.host_pinned,
+        "host_optimizer_gib_per_rank": result.host_optimizer_bytes_per_rank / GIB,
         "documents": documents_summary(job),
         "notes": result.notes,
     }
@@ -82,7 +83,9 @@ def render(result: MemoryPlan, info: dict) -> str:
                      f"moment); transients: mask build {format_bytes(d['mask_build_bytes'])}, segments build "
                      f"{format_bytes(d['segments_build_bytes'])} (at block 0's first attention call)")
     pin = "pinned" if result.host_pinned else "pageable"
-    lines.append(f"host (offloaded block inputs, {pin}): {result.host_bytes_per_rank / GIB:.1f} GiB per rank, "
+    moments = result.host_optimizer_bytes_per_rank
+    what = f"offloaded block inputs, {pin}" + (f"; AdamW moments {moments / GIB:.1f} GiB per rank" if moments else "")
+    lines.append(f"host ({what}): {result.host_bytes_per_rank / GIB:.1f} GiB per rank, "
                  f"{result.host_bytes / GIB:.1f} GiB per node")
     if "fits" in info:
         lines.append(f"fits in {info['gpu_mem_gib']:g} GiB"

@@ -30,11 +30,14 @@ class MemoryPlan:
     job: PlanInput
     moments: list[Moment]
     host_bytes_per_rank: int
-    """Offloaded block inputs in host memory (pinned: rounded up as PyTorch's pinned allocator does)."""
+    """Offloaded block inputs in host memory (pinned: rounded up as PyTorch's pinned allocator does),
+    plus the AdamW moments with ``optimizer_state_on_host`` (``host_optimizer_bytes_per_rank``)."""
     host_pinned: bool
     host_bytes_pageable_per_rank: int
     host_bytes_pinned_per_rank: int
     notes: list[str] = field(default_factory=list)
+    host_optimizer_bytes_per_rank: int = 0
+    """AdamW moments kept on the host (``optimizer_state_on_host``), included in the host bytes above."""
 
     @property
     def peak(self) -> Moment:

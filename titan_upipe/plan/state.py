@@ -1,7 +1,8 @@
 """Terms of the step's state and of the per-block pieces every phase shares.
 
 State, per rank, with ``P`` parameters over ``W`` FSDP ranks: fp32 parameter shards
-``4 ceil(P/W)``, AdamW's two fp32 moments ``8 ceil(P/W)`` (+ a 4-byte step per tensor), the fp32
+``4 ceil(P/W)``, AdamW's two fp32 moments ``8 ceil(P/W)`` (+ a 4-byte step per tensor; none on the
+device with ``optimizer_state_on_host``: ``optimizer_host_bytes`` on the host), the fp32
 gradient shards reduced so far, the int64 token batch, RoPE (this rank's rows with
 fused_rope, else TorchTitan's full-length table on every rank) and, with packed documents, the
 global batch's int64 document index ``8 B S`` (``titan_upipe.plan.documents``). FSDP2: the
@@ -17,6 +18,7 @@ import math
 from titan_upipe.plan.documents import document_index_terms
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms
+from titan_upipe.plan.units import pow2_ceil
 
 ATTENTION_NORM = (Term.ATTENTION_NORM_OUT, Term.ATTENTION_NORM_STATS)
 FFN_NORM = (Term.FFN_NORM_OUT, Term.FFN_NORM_STATS)
@@ -27,16 +29,38 @@ def state_terms(s: StepSizes, grads: int) -> Terms:
     """Parameters, AdamW moments (steady state: a step after the first), ``grads`` bytes of
     reduced gradient shards, the token batch, RoPE and the document index (packed documents)."""
     m, w, job = s.model, s.fsdp, s.job
-    terms: Terms = {
-        Term.PARAMS: math.ceil(m.total_params / w) * 4,
-        Term.ADAMW_MOMENTS: 2 * math.ceil(m.total_params / w) * 4 + 4 * m.param_tensors,
+    terms: Terms = {Term.PARAMS: math.ceil(m.total_params / w) * 4}
+    if not job.optimizer_state_on_host:
+        terms[Term.ADAMW_MOMENTS] = 2 * math.ceil(m.total_params / w) * 4 + 4 * m.param_tensors
+    terms.update({
         Term.GRAD_SHARDS: grads,
         # global batch and this rank's shard of inputs and labels, positions (int64)
         Term.TOKENS: 2 * 8 * job.batch * (job.seq_len + job.local_len) + 3 * 8 * job.local_len,
-    }
+    })
     terms.update(rope_terms(s))
     terms.update(document_index_terms(job))
     return terms
+
+
+def shard_numels(s: StepSizes) -> list[int]:
+    """Elements of each parameter's local shard on rank 0 (the largest): ``ceil(rows / W) columns``."""
+    return [math.ceil(rows / s.fsdp) * cols for rows, cols in s.model.param_shapes()]
+
+
+def host_adamw_terms(s: StepSizes) -> Terms:
+    """The step's device transients with the moments on the host: two fp32 work buffers of the
+    largest shard ``n_max`` (``8 n_max``) and foreach's ``sqrt(exp_avg_sq)`` of one parameter (``4 n_max``)."""
+    n_max = max(shard_numels(s))
+    return {Term.ADAMW_WORK: 2 * 4 * n_max, Term.ADAMW_TEMP_LARGEST: 4 * n_max}
+
+
+def optimizer_host_bytes(s: StepSizes, pinned: bool) -> int:
+    """Host bytes of the moments with ``optimizer_state_on_host``: ``8`` bytes per local element,
+    each tensor's two moments pinned (rounded up to a power of two, as PyTorch's pinned allocator
+    does) on cuda, pageable on cpu; 0 without the switch."""
+    if not s.job.optimizer_state_on_host:
+        return 0
+    return sum(2 * (pow2_ceil(4 * n) if pinned else 4 * n) for n in shard_numels(s))
 
 
 def rope_terms(s: StepSizes) -> Terms:

@@ -16,7 +16,15 @@ from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.loss import loss_terms
 from titan_upipe.plan.result import MemoryPlan, Moment
 from titan_upipe.plan.sizes import StepSizes
-from titan_upipe.plan.state import ATTENTION_NORM, fsdp_block_terms, grad_shards, norm_out, state_terms
+from titan_upipe.plan.state import (
+    ATTENTION_NORM,
+    fsdp_block_terms,
+    grad_shards,
+    host_adamw_terms,
+    norm_out,
+    optimizer_host_bytes,
+    state_terms,
+)
 from titan_upipe.plan.terms import Counted, Term, Terms, labelled
 from titan_upipe.plan.units import pow2_ceil
 
@@ -150,10 +158,15 @@ class StepWalk:
         self.add("backward", f"block {i} backward: reduce-scatter", terms)
 
     def optimizer(self) -> None:
-        """Gradient clipping (in place) + foreach AdamW (one temporary: sqrt of exp_avg_sq)."""
+        """Gradient clipping (in place) + foreach AdamW (one temporary: sqrt of exp_avg_sq), over
+        all parameters, or one parameter at a time through the work buffers with the moments on the host."""
         s = self.sizes
         all_grads = grad_shards(s, s.model.total_params)
         terms = state_terms(s, all_grads)
+        if self.job.optimizer_state_on_host:
+            terms.update(host_adamw_terms(s))
+            self.add("optimizer", "AdamW step (moments streamed from host)", terms)
+            return
         terms[Term.ADAMW_TEMP] = grad_shards(s, s.model.total_params)
         self.add("optimizer", "AdamW step", terms)
 
@@ -164,8 +177,9 @@ class StepWalk:
         pageable = n * u if job.offloaded else 0
         pinned = n * pow2_ceil(u) if job.offloaded else 0
         use_pinned = job.offloaded and job.pin_memory is not False
-        return MemoryPlan(job, self.moments, pinned if use_pinned else pageable, use_pinned, pageable, pinned,
-                          self.notes)
+        moments = optimizer_host_bytes(self.sizes, pinned=self.sizes.cuda)
+        return MemoryPlan(job, self.moments, (pinned if use_pinned else pageable) + moments, use_pinned,
+                          pageable + moments, pinned + moments, self.notes, host_optimizer_bytes_per_rank=moments)
 
 
 def plan(job: PlanInput, host_mem_bytes: float | None = None) -> MemoryPlan:

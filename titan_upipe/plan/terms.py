@@ -27,6 +27,8 @@ class Term(Enum):
     ROPE_ROWS = "RoPE rows of this rank's positions (fused_rope)"
     ROPE_TABLE = "RoPE table, full length (no fused_rope)"
     ADAMW_TEMP = "AdamW foreach temporary (sqrt(exp_avg_sq), fp32 shards)"
+    ADAMW_WORK = "AdamW moments on host: device work buffers exp_avg, exp_avg_sq (largest shard)"
+    ADAMW_TEMP_LARGEST = "AdamW foreach temporary of one parameter (sqrt(exp_avg_sq), largest shard)"
     # packed documents (block_causal): titan_upipe.plan.documents
     DOC_INDEX = "document index of the global batch (int64 [B, S], every rank)"
     DOC_BUILD = "document mask build: EOS as int64 and its cumsum (from_eos)"
