@@ -196,23 +196,22 @@ def gpu_recipes() -> list[Recipe]:
     paper = dict(extra_converters=tuple(MEMORY_TRANSFORMS), offload=True)
 
     def add(model: Model, folder: str, method: str, seq: int, ranks: int, ulysses: int = 0,
-            optimizer_state_on_host: bool = False) -> None:
+            overrides: dict[str, dict[str, object]] | None = None, note: str = "") -> None:
         path = f"configs/{folder}/{method}_{LENGTH_NAMES[seq]}.toml"
         layout = f"ulysses {ulysses} x ring {ranks // ulysses}" if ulysses else f"CP {ranks}"
         description = (f"{model.description}, {method} ({layout}), {LENGTH_NAMES[seq].upper()} tokens on {ranks} GPUs; "
-                       "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE"
-                       + ("; AdamW moments in host memory" if optimizer_state_on_host else ""))
-        overrides = {"optimizer": {"state_on_host": True}} if optimizer_state_on_host else {}
+                       "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE" + (f"; {note}" if note else ""))
         recipes.append(Recipe(path, model, method, seq, ranks, ulysses_degree=ulysses, launch=_gpu_launch(ranks, path),
-                              description=description, overrides=overrides, **paper))
+                              description=description, overrides=overrides or {}, **paper))
 
     for method in ("ulysses", "upipe", "ring"):
         for seq in (128 * K, 256 * K, 512 * K, M, 2 * M, 3 * M, 4 * M, 5 * M):
             add(LLAMA3_8B, "llama3_8b", method, seq, 8, ulysses=1 if method == "ring" else 0)
-    # Past the paper's 5M on one node (issue 18, planner predictions): 6M fits as it is, 7M with
-    # AdamW's moments in host memory (docs/planner.md, "Beyond 5M").
+    # Past the paper's 5M on one node (issue 18, planner predictions): 6M fits as it is, 7M with the
+    # next block's input fetched after the attention backward (docs/planner.md, "Beyond 5M").
     add(LLAMA3_8B, "llama3_8b", "upipe", 6 * M, 8)
-    add(LLAMA3_8B, "llama3_8b", "upipe", 7 * M, 8, optimizer_state_on_host=True)
+    add(LLAMA3_8B, "llama3_8b", "upipe", 7 * M, 8, overrides={"activation_checkpoint": {"prefetch_after_attention": True}},
+        note="inputs prefetched after the attention backward")
     for method in ("usp", "upipe_usp"):
         for seq in (512 * K, M, 2 * M, 4 * M, 6 * M, 8 * M):
             add(LLAMA3_8B, "llama3_8b", method, seq, 16, ulysses=8)

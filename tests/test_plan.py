@@ -119,6 +119,21 @@ def test_max_seq_len_is_the_largest_fitting_multiple():
     assert P.max_seq_len(job, 1 * GIB, host) == 0  # not even the shortest length fits
 
 
+def test_longest_fit_switches_on_a_lever_only_where_it_reaches_further():
+    job = gpu_job()
+    gpu = 80 * GIB
+    configured = P.max_seq_len(job, gpu, 1900 * GIB)
+    length, settings = P.longest_fit(job, gpu, 1900 * GIB)
+    each = {name: P.max_seq_len(replace(job, **{field: True}), gpu, 1900 * GIB) for name, field in P.LEVERS.items()}
+    both = P.max_seq_len(replace(job, **{field: True for field in P.LEVERS.values()}), gpu, 1900 * GIB)
+    assert length == max(configured, both, *each.values()) > configured
+    assert settings == {"activation_checkpoint.prefetch_after_attention": True}  # 7.42M; host moments: 7.16M
+    # host-bound: the moments on the host would cost length, so the configured settings stay
+    tight = 1500 * GIB
+    assert P.longest_fit(job, gpu, tight) == (P.max_seq_len(job, gpu, tight), {})
+    assert P.max_seq_len(replace(job, optimizer_state_on_host=True), gpu, tight) < P.max_seq_len(job, gpu, tight)
+
+
 def test_host_memory_limits_the_length_and_pinned_buffers_round_up():
     job = gpu_job("5M")
     result = P.plan(job, 1900 * GIB)
@@ -269,3 +284,16 @@ def test_prediction_within_10_percent_of_a_real_gloo_job():
     predicted = P.plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
     for total in per_rank:
         assert abs(predicted / total - 1) <= 0.10, (predicted, per_rank)
+
+
+def test_prefetch_after_attention_takes_one_hidden_state_off_the_backward_peak():
+    """The next block's input, fetched after the attention backward, leaves the block-0 attention
+    backward peak: exactly one hidden state (B·S/C·d bf16) less; on CPU (no prefetch copy) nothing."""
+    job = gpu_job("7M")
+    early, late = P.plan(job, 1900 * GIB), P.plan(replace(job, prefetch_after_attention=True), 1900 * GIB)
+    hidden = job.batch * job.seq_len // job.cp * LLAMA.dim * 2
+    assert "attention backward" in early.peak.where and early.peak_gpu_bytes - late.peak_gpu_bytes == hidden
+    assert early.breakdown["block 0: next block's input prefetched from host"] == hidden
+    assert not late.breakdown.get("block 0: next block's input prefetched from host")
+    cpu = replace(job, device="cpu", seq_len=2**16)
+    assert P.plan(cpu).peak_gpu_bytes == P.plan(replace(cpu, prefetch_after_attention=True)).peak_gpu_bytes

@@ -115,19 +115,19 @@ def test_every_gpu_recipe_is_a_resumable_training_job():
 
 def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     """Issue 18 (planner predictions): upipe_6m fits 8 x 80 GiB and 1,900 GiB of host per node as
-    it is; upipe_7m only with AdamW's moments in host memory, which it sets."""
+    it is; upipe_7m only with the late prefetch of offloaded inputs, which it sets."""
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.units import GIB
     from titan_upipe.train import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
-    for length, on_host in (("6m", False), ("7m", True)):
+    for length, late in (("6m", False), ("7m", True)):
         job_config = parse_config(["--job.config_file", str(REPO / f"configs/llama3_8b/upipe_{length}.toml")])
-        assert job_config.optimizer.state_on_host is on_host
+        assert job_config.activation_checkpoint.prefetch_after_attention is late
         job = plan_input_from_job_config(job_config)
-        assert job.optimizer_state_on_host is on_host
+        assert job.prefetch_after_attention is late and not job.optimizer_state_on_host
         assert plan(job, host).fits(gpu, host), length
     from dataclasses import replace
 
-    assert not plan(replace(job, optimizer_state_on_host=False), host).fits(gpu, host)
+    assert not plan(replace(job, prefetch_after_attention=False), host).fits(gpu, host)

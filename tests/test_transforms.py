@@ -514,3 +514,52 @@ def test_negative_tile_sizes_name_the_key(tmp_path, key):
     path.write_text(f"[transforms]\n{key} = -4\n")
     with pytest.raises(ConfigError, match=f"transforms.{key} = -4: valid values are 0 .automatic"):
         parse_config(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["split-block", "whole-block"])
+@pytest.mark.parametrize("late", [False, True], ids=["prefetch-before-recompute", "prefetch-after-attention"])
+def test_offload_prefetch_starts_before_the_recompute_or_after_the_attention_backward(monkeypatch, late, hooked):
+    """``prefetch_after_attention``: the copy of the input the next block's backward needs starts
+    after this block's attention backward (the backward peak), not before its recompute; the
+    gradients are unchanged (bit for bit)."""
+    from titan_upipe.transforms import offload
+
+    events: list[tuple[str, int]] = []
+    real_prefetch = offload.OffloadedInput.prefetch
+
+    def spy(slot):
+        events.append(("prefetch", slot.block))
+        return real_prefetch(slot)
+
+    monkeypatch.setattr(offload.OffloadedInput, "prefetch", spy)
+    torch.manual_seed(0)
+    plain = llama3(n_layers=3)
+    converted = copy.deepcopy(plain)
+    apply_offloaded_ac(converted, pin_memory=False, prefetch_after_attention=late)
+    for index, layer in enumerate(converted.layers.values()):
+        block = layer._checkpoint_wrapped_module
+        if hooked:  # a block hook of its own selects the whole-block checkpoint Function
+            block.register_forward_hook(lambda *args: None)
+        block.attention.register_full_backward_hook(lambda m, gi, go, i=index: events.append(("attention", i)))
+        block.attention_norm.register_forward_pre_hook(lambda m, a, i=index: events.append(("recompute", i)))
+    created = []
+    real_init = offload.OffloadedInput.__init__
+
+    def numbered(slot, *args, **kwargs):
+        real_init(slot, *args, **kwargs)
+        slot.block = len(created)
+        created.append(slot)
+
+    monkeypatch.setattr(offload.OffloadedInput, "__init__", numbered)
+    tokens = torch.randint(0, 300, (2, 32))
+    plain(tokens).square().mean().backward()
+    converted(tokens).square().mean().backward()
+    backward = events[events.index(("recompute", 2)) + 1:]  # after the forward (blocks 0, 1, 2)
+    for block in (2, 1):
+        prefetch = backward.index(("prefetch", block - 1))
+        if late:
+            assert backward.index(("attention", block)) < prefetch < backward.index(("recompute", block - 1))
+        else:
+            assert prefetch < backward.index(("attention", block))
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
+        assert torch.equal(q.grad, p.grad), name

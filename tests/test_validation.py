@@ -221,3 +221,11 @@ def test_block_causal_on_cuda_needs_a_varlen_backend(monkeypatch):
                                           r"kernel.*set attention_backend to one of flash_attn4"):
         check_job(job(config=DOCS), world_size=2)
     check_job(job("--model.flavor", "debug", config=DOCS), world_size=2)  # causal: no documents
+
+
+def test_prefetch_after_attention_needs_offloaded_checkpointing():
+    """Without offloaded inputs the switch would change nothing: refused, with the fix."""
+    with pytest.raises(ConfigError, match=r"prefetch_after_attention = true .* set activation_checkpoint.cpu_offload = true"):
+        check_job(job("--activation_checkpoint.prefetch_after_attention"), world_size=2)
+    check_job(job("--activation_checkpoint.prefetch_after_attention",
+                  config="configs/debug/llama3_upipe_transforms.toml"), world_size=2)  # full AC, offloaded

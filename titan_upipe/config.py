@@ -111,6 +111,11 @@ class ActivationCheckpointOffload:
     pin_memory: bool = True
     """Offload into page-locked host memory (faster copies; set false when host RAM is short)."""
 
+    prefetch_after_attention: bool = False
+    """With ``cpu_offload``: start the copy of the input the next block's backward needs only after
+    this block's attention backward, not before its recompute: one hidden state less at the
+    backward peak, a copy the next block may wait for (``docs/planner.md``, issue 18)."""
+
 
 @dataclass
 class OptimizerHostState:

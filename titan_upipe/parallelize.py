@@ -34,7 +34,8 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     ac_config = job_config.activation_checkpoint
     if getattr(ac_config, "cpu_offload", False):  # mode "full", checked by check_job
-        apply_offloaded_ac(model, pin_memory=ac_config.pin_memory)
+        apply_offloaded_ac(model, pin_memory=ac_config.pin_memory,
+                           prefetch_after_attention=getattr(ac_config, "prefetch_after_attention", False))
         logger.info("Applied full activation checkpointing with block inputs offloaded to host memory")
     elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,

@@ -244,7 +244,15 @@ def check_converter_names(converters: list[str]) -> None:
 
 def check_offload(job_config) -> None:
     ac = job_config.activation_checkpoint
+    late = getattr(ac, "prefetch_after_attention", False)
+    if not isinstance(late, bool):
+        raise ConfigError(f"invalid activation_checkpoint.prefetch_after_attention = {late!r}: valid values are "
+                          "true, false")
     if not getattr(ac, "cpu_offload", False):
+        if late:  # it would change nothing: no block input is offloaded
+            raise ConfigError("activation_checkpoint.prefetch_after_attention = true times the prefetch of offloaded "
+                              "block inputs: set activation_checkpoint.cpu_offload = true (and mode = \"full\") "
+                              "or drop it")
         return
     if ac.mode != "full":
         raise ConfigError(

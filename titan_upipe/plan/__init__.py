@@ -49,7 +49,7 @@ Modules (imports point down the list):
 ``block``        one block: kept activations, forward peak, backward moments
 ``loss``         final norm and cross-entropy (stock, chunked torch, Liger)
 ``step``         the walk through one step (``StepWalk``) and ``plan``
-``search``       ``max_seq_len`` and ``recommended_heads_per_stage``
+``search``       ``max_seq_len``, ``longest_fit`` (and the settings it needs), ``recommended_heads_per_stage``
 ``job_config``   ``plan_input_from_job_config``/``plan_from_job_config`` (a parsed TOML)
 ``report``       ``summary``, ``render``, the plot and the paper's Table 4
 ``cli``          ``build_parser`` and ``main`` (registers the plugin first)
@@ -75,7 +75,7 @@ from titan_upipe.plan.report import (
     summary,
 )
 from titan_upipe.plan.result import MemoryPlan, Moment
-from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
+from titan_upipe.plan.search import LEVERS, longest_fit, max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.terms import Term
 from titan_upipe.plan.units import GIB, K, format_length, parse_length
@@ -84,7 +84,7 @@ from titan_upipe.plan.units import GIB, K, format_length, parse_length
 __all__ = [
     "GIB", "K", "KNOWN_MODELS", "MODEL_FLAVORS", "MODES", "PAPER_ROWS", "PAPER_TABLES_CSV", "PLAN_AUTO_BACKEND",
     "PLOT_LENGTHS", "RUNTIME_RESERVE_GIB_CUDA", "MemoryPlan", "ModelDims", "Moment", "PlanInput", "Term",
-    "build_parser", "format_length", "main", "make_plot", "max_seq_len", "model_dims", "model_dims_from_args",
+    "LEVERS", "build_parser", "format_length", "longest_fit", "main", "make_plot", "max_seq_len", "model_dims", "model_dims_from_args",
     "paper_table2_peak", "paper_table4", "paper_table6_peak", "parse_length", "plan", "plan_from_job_config",
     "plan_input_from_job_config", "plot_variants", "recommended_heads_per_stage", "render", "summary",
 ]

@@ -115,9 +115,10 @@ def block_backward_moments(s: StepSizes, att: AttentionTerms) -> list[BlockMomen
     (``below``) and the state. Includes the gradient arriving from the block above."""
     job, m, u, p = s.job, s.model, s.hidden, s.weight_bytes
     common: Terms = {Term.GRAD_BLOCK_OUT: u}
+    prefetch = job.ac_mode == "full" and job.offloaded and s.cuda  # the copy is a no-op on CPU
     if job.ac_mode == "full":
         common[Term.RECOMPUTE_INPUT] = u
-        if job.offloaded and s.cuda:
+        if prefetch and not job.prefetch_after_attention:
             common[Term.PREFETCHED_INPUT] = u
     n1, n2 = norm_out(s, ATTENTION_NORM), norm_out(s, FFN_NORM)
     h = {Term.RESIDUAL: u}
@@ -140,4 +141,8 @@ def block_backward_moments(s: StepSizes, att: AttentionTerms) -> list[BlockMomen
     for where, terms in att.backward:
         moments.append(BlockMoment(f"attention backward ({where})",
                                    {**attention_common, **n1, Term.GRAD_RESIDUAL: u, **terms}, grads))
+    if prefetch and job.prefetch_after_attention:
+        # The late prefetch: the block's dX and its recomputed input, the next block's input arriving.
+        moments.append(BlockMoment("next block's input prefetched (after the attention backward)",
+                                   {**attention_common, Term.GRAD_RESIDUAL: u, Term.PREFETCHED_INPUT: u}, grads))
     return moments

@@ -97,6 +97,9 @@ class PlanInput:
     cpu_offload: bool = True
     pin_memory: bool | None = None
     """None: pinned when the pinned host buffers fit ``host_mem``, else pageable (the paper's 5M run)."""
+    prefetch_after_attention: bool = False
+    """``[activation_checkpoint] prefetch_after_attention``: the next block's input is fetched from
+    the host after this block's attention backward, so it is not on the device at the peak."""
     device: str = "cuda"
     """``cuda``: flash kernels' workspaces, offload prefetch stream; ``cpu``: composite ops (gloo runs)."""
     gpus_per_node: int = 8

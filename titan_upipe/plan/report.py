@@ -10,7 +10,7 @@ from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_valu
 from titan_upipe.plan.documents import documents_summary
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.result import MemoryPlan
-from titan_upipe.plan.search import max_seq_len, recommended_heads_per_stage
+from titan_upipe.plan.search import longest_fit, max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, K, format_bytes, format_length, parse_length
 
@@ -51,13 +51,23 @@ def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: flo
     if gpu_mem_bytes is not None:
         out["gpu_mem_gib"] = gpu_mem_bytes / GIB
         out["fits"] = result.fits(gpu_mem_bytes, host_mem_bytes)
-        out["max_seq_len"] = max_seq_len(job, gpu_mem_bytes, host_mem_bytes)
+        out["max_seq_len_as_configured"] = max_seq_len(job, gpu_mem_bytes, host_mem_bytes)
+        out["max_seq_len"], out["max_seq_len_settings"] = longest_fit(job, gpu_mem_bytes, host_mem_bytes)
         u, ok = recommended_heads_per_stage(job, gpu_mem_bytes, host_mem_bytes)
         out["recommended_heads_per_stage"] = u
         out["recommended_heads_per_stage_fits"] = ok
     if host_mem_bytes is not None:
         out["host_mem_gib"] = host_mem_bytes / GIB
     return out
+
+
+def _lever_text(info: dict) -> str:
+    """`` with X = true (as configured: L)`` when the longest fit needs settings the job lacks."""
+    if not info.get("max_seq_len_settings"):
+        return ""
+    settings = ", ".join(f"{k} = {str(v).lower()}" for k, v in info["max_seq_len_settings"].items())
+    configured = info["max_seq_len_as_configured"]
+    return f" with {settings} (as configured: {format_length(configured)}, {configured})"
 
 
 def render(result: MemoryPlan, info: dict) -> str:
@@ -91,7 +101,8 @@ def render(result: MemoryPlan, info: dict) -> str:
         lines.append(f"fits in {info['gpu_mem_gib']:g} GiB"
                      + (f" / {info['host_mem_gib']:g} GiB host" if "host_mem_gib" in info else "")
                      + f": {'yes' if info['fits'] else 'no'}")
-        lines.append(f"longest sequence that fits: {format_length(info['max_seq_len'])} ({info['max_seq_len']})")
+        lines.append(f"longest sequence that fits: {format_length(info['max_seq_len'])} ({info['max_seq_len']})"
+                     + _lever_text(info))
         ok = "" if info["recommended_heads_per_stage_fits"] else " (nothing fits; least memory)"
         lines.append(f"recommended U (heads per stage): {info['recommended_heads_per_stage']}{ok}")
     lines.extend(f"note: {n}" for n in result.notes)

@@ -37,6 +37,29 @@ def max_seq_len(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | No
     return lo * unit
 
 
+LEVERS: dict[str, str] = {"optimizer.state_on_host": "optimizer_state_on_host",
+                          "activation_checkpoint.prefetch_after_attention": "prefetch_after_attention"}
+"""Settings the longest-fit search may switch on, config key -> ``PlanInput`` field: each one moves
+memory off the GPU at a cost in step time only (parity unchanged), so a cluster's longest fit names
+the ones it needs. Token-independent state on the host trades host memory, which the search checks."""
+
+
+def longest_fit(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | None = None
+                ) -> tuple[int, dict[str, bool]]:
+    """``(length, settings)``: the longest length over the job's settings and each ``LEVERS``
+    combination switched on from them, with the levers it needs (``{}``: as configured). A lever
+    that lowers the fit (host-bound) is never chosen."""
+    best_len, best_settings = max_seq_len(job, gpu_mem_bytes, host_mem_bytes), {}
+    off = [key for key, name in LEVERS.items() if not getattr(job, name)]
+    for mask in range(1, 1 << len(off)):
+        settings = {key: True for i, key in enumerate(off) if mask >> i & 1}
+        candidate = replace(job, **{LEVERS[key]: True for key in settings})
+        length = max_seq_len(candidate, gpu_mem_bytes, host_mem_bytes)
+        if length > best_len:
+            best_len, best_settings = length, settings
+    return best_len, best_settings
+
+
 def recommended_heads_per_stage(job: PlanInput, gpu_mem_bytes: float,
                                 host_mem_bytes: float | None = None) -> tuple[int, bool]:
     """(U, fits): the largest valid U whose UPipe plan fits (fewest stages: fastest), or U = the

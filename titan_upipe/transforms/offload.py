@@ -7,7 +7,11 @@ CPU offloading"). :class:`OffloadedCheckpointWrapper` runs its block without rec
 graph, copies the input into a host buffer (page-locked when ``pin_memory``) and keeps only
 that copy. In backward, the block fetches its input back, recomputes itself with autograd
 and backpropagates, after first starting the copy of the *previous* block's input (the next
-one backward needs) on a side stream, so the transfer overlaps this block's recompute.
+one backward needs) on a side stream, so the transfer overlaps this block's recompute. With
+``prefetch_after_attention`` that copy starts only when the block's attention backward (the
+peak of a block's backward at long context) has finished: one hidden state less at the peak, a
+transfer the next block's backward may wait for (a block's backward takes far longer than the
+copy at millions of tokens).
 
 TorchTitan's Llama3 and Qwen3 blocks are checkpointed as two chained autograd Functions split at
 ``h``, the residual stream after attention: :class:`OffloadedAttentionHalf` (``x -> h = x +
@@ -119,13 +123,20 @@ class OffloadedInput:
             done.record()
         self.fetched = (on_device, done)
 
-    def fetch(self) -> Tensor:
-        """The input on the compute device; starts the previous block's prefetch first."""
+    def prefetch_previous(self) -> None:
+        """Start the previous block's prefetch (the input backward needs next), once."""
+        if self.previous is not None:
+            self.previous.prefetch()
+            self.previous = None
+
+    def fetch(self, prefetch_previous: bool = True) -> Tensor:
+        """The input on the compute device; starts the previous block's prefetch first, or leaves it
+        to a later ``prefetch_previous`` call (after the attention backward)."""
         if self.host is None:
             raise RuntimeError("offloaded block input fetched twice (backward through the graph twice "
                                "needs retain_graph, which offloaded checkpointing does not support)")
-        if self.previous is not None:
-            self.previous.prefetch()
+        if prefetch_previous:
+            self.prefetch_previous()
         if self.device.type == "cuda":
             self.prefetch()
             on_device, done = self.fetched
@@ -133,7 +144,7 @@ class OffloadedInput:
             on_device.record_stream(torch.cuda.current_stream())
         else:
             on_device = self.host
-        self.host = self.fetched = self.previous = None
+        self.host = self.fetched = None
         OFFLOAD_STATS.remove(self.nbytes)
         return on_device
 
@@ -142,16 +153,18 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
     """``run(x)`` without a graph; x goes to host memory; backward recomputes and backpropagates."""
 
     @staticmethod
-    def forward(ctx, run, x: Tensor, slot_factory) -> Tensor:
+    def forward(ctx, run, x: Tensor, slot_factory, prefetch_late: bool = False) -> Tensor:
         with torch.no_grad():
             out = run(x)
         ctx.run = run
         ctx.saved_input = slot_factory(x)
+        ctx.prefetch_late = prefetch_late
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x = ctx.saved_input.fetch().detach().requires_grad_(True)
+        slot = ctx.saved_input
+        x = slot.fetch(prefetch_previous=not ctx.prefetch_late).detach().requires_grad_(True)
         ctx.saved_input = None
         with torch.enable_grad():
             out = ctx.run(x)
@@ -161,7 +174,8 @@ class OffloadedCheckpointFunction(torch.autograd.Function):
         edge = get_gradient_edge(out)
         del out
         torch.autograd.backward(edge, grad_out)
-        return None, x.grad, None
+        slot.prefetch_previous()  # a no-op when fetch started it
+        return None, x.grad, None, None
 
 
 class SplitBlock:
@@ -169,9 +183,11 @@ class SplitBlock:
     offloaded input, from forward to the feed-forward half's backward; the recomputed attention
     graph, from there to the attention half's backward."""
 
-    def __init__(self, block: nn.Module, attention_args: tuple) -> None:
-        self.block, self.attention_args = block, attention_args
+    def __init__(self, block: nn.Module, attention_args: tuple, prefetch_late: bool = False) -> None:
+        self.block, self.attention_args, self.prefetch_late = block, attention_args, prefetch_late
         self.saved_input: OffloadedInput | None = None
+        self.fetched_input: OffloadedInput | None = None
+        """The fetched slot, whose ``prefetch_previous`` the attention half's backward calls."""
         self.recomputed: tuple[GradientEdge, Tensor] | None = None
 
     def attention_half(self, x: Tensor) -> Tensor:
@@ -222,8 +238,12 @@ class OffloadedAttentionHalf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h: Tensor):
-        edge, x = ctx.split.take_recomputed()
+        split = ctx.split
+        edge, x = split.take_recomputed()
         torch.autograd.backward(edge, grad_h)
+        if split.fetched_input is not None:  # the late prefetch: after the attention backward
+            split.fetched_input.prefetch_previous()
+            split.fetched_input = None
         return x.grad, None, None
 
 
@@ -241,7 +261,10 @@ class OffloadedFeedForwardHalf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         split = ctx.split
-        x = split.saved_input.fetch().detach().requires_grad_(True)
+        slot = split.saved_input
+        x = slot.fetch(prefetch_previous=not split.prefetch_late).detach().requires_grad_(True)
+        if split.prefetch_late:
+            split.fetched_input = slot
         with torch.enable_grad():
             h = split.attention_half(x)
             h_leaf = h.detach().requires_grad_(True)
@@ -267,8 +290,8 @@ class OffloadSchedule:
     """Links the wrappers of one model: each forward slot knows the block before it, whose
     input backward needs next."""
 
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, pin_memory: bool, prefetch_after_attention: bool = False) -> None:
+        self.pin_memory, self.prefetch_after_attention = pin_memory, prefetch_after_attention
         self.streams = _Streams()
         self.last: OffloadedInput | None = None
 
@@ -295,19 +318,20 @@ class OffloadedCheckpointWrapper(ActivationWrapper):
 
         slot_factory = self.schedule.slot_factory(self.first_block)
         if splits_at_h(block):
-            split = SplitBlock(block, attention_args(block, x, *args, **kwargs))
+            split = SplitBlock(block, attention_args(block, x, *args, **kwargs),
+                               self.schedule.prefetch_after_attention)
             h = OffloadedAttentionHalf.apply(x, split, slot_factory)
             return OffloadedFeedForwardHalf.apply(h, split)
 
         def run(inp: Tensor) -> Tensor:
             return block(inp, *args, **kwargs)
 
-        return OffloadedCheckpointFunction.apply(run, x, slot_factory)
+        return OffloadedCheckpointFunction.apply(run, x, slot_factory, self.schedule.prefetch_after_attention)
 
 
-def apply_offloaded_ac(model: nn.Module, pin_memory: bool) -> OffloadSchedule:
+def apply_offloaded_ac(model: nn.Module, pin_memory: bool, prefetch_after_attention: bool = False) -> OffloadSchedule:
     """Wrap every block of ``model.layers`` (TorchTitan layout) in place."""
-    schedule = OffloadSchedule(pin_memory)
+    schedule = OffloadSchedule(pin_memory, prefetch_after_attention)
     for index, (name, block) in enumerate(list(model.layers.named_children())):
         model.layers.register_module(name, OffloadedCheckpointWrapper(block, schedule, first_block=index == 0))
     return schedule
