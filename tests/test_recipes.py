@@ -131,3 +131,23 @@ def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     from dataclasses import replace
 
     assert not plan(replace(job, prefetch_after_attention=False), host).fits(gpu, host)
+
+
+def test_qwen3_32b_past_4m_recipes_fit_by_the_planner():
+    """Issue 18 (planner predictions): upipe_usp_5m fits 16 x 80 GiB and 1,900 GiB of host per node
+    as it is; upipe_usp_6m with the late prefetch and the last block's input on the device."""
+    from dataclasses import replace
+
+    from titan_upipe.plan.job_config import plan_input_from_job_config
+    from titan_upipe.plan.step import plan
+    from titan_upipe.plan.units import GIB
+    from titan_upipe.train import parse_config
+
+    gpu, host = 80 * GIB, 1900 * GIB
+    for length in ("5m", "6m"):
+        job_config = parse_config(["--job.config_file", str(REPO / f"configs/qwen3_32b/upipe_usp_{length}.toml")])
+        job = plan_input_from_job_config(job_config)
+        assert plan(job, host).fits(gpu, host), length
+    assert job.prefetch_after_attention and job.resident_blocks == 1
+    assert not plan(replace(job, resident_blocks=0), host).fits(gpu, host)
+    assert not plan(replace(job, prefetch_after_attention=False), host).fits(gpu, host)

@@ -563,3 +563,20 @@ def test_offload_prefetch_starts_before_the_recompute_or_after_the_attention_bac
             assert prefetch < backward.index(("attention", block))
     for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
         assert torch.equal(q.grad, p.grad), name
+
+
+def test_resident_blocks_keep_the_last_inputs_on_the_device():
+    """``resident_blocks = 2`` of 3: only block 0's input goes to the host; gradients bit for bit."""
+    torch.manual_seed(0)
+    plain = llama3(n_layers=3)
+    converted = copy.deepcopy(plain)
+    apply_offloaded_ac(converted, pin_memory=False, resident_blocks=2)
+    tokens = torch.randint(0, 300, (2, 32))
+    plain(tokens).square().mean().backward()
+    before = (OFFLOAD_STATS.saved_tensors, OFFLOAD_STATS.host_bytes)
+    out = converted(tokens)
+    assert OFFLOAD_STATS.saved_tensors - before[0] == 1 and OFFLOAD_STATS.host_bytes - before[1] == 2 * 32 * 64 * 4
+    out.square().mean().backward()
+    assert (OFFLOAD_STATS.saved_tensors, OFFLOAD_STATS.host_bytes) == before
+    for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
+        assert torch.equal(q.grad, p.grad), name

@@ -111,6 +111,11 @@ class ActivationCheckpointOffload:
     pin_memory: bool = True
     """Offload into page-locked host memory (faster copies; set false when host RAM is short)."""
 
+    resident_blocks: int = 0
+    """With ``cpu_offload``: the last N blocks keep their input on the device (backward needs them
+    first): N block inputs less host memory, N more on the device from their forward to their
+    backward, never at block 0's backward peak (``docs/planner.md``, issue 18)."""
+
     prefetch_after_attention: bool = False
     """With ``cpu_offload``: start the copy of the input the next block's backward needs only after
     this block's attention backward, not before its recompute: one hidden state less at the

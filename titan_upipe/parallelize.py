@@ -35,7 +35,8 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     ac_config = job_config.activation_checkpoint
     if getattr(ac_config, "cpu_offload", False):  # mode "full", checked by check_job
         apply_offloaded_ac(model, pin_memory=ac_config.pin_memory,
-                           prefetch_after_attention=getattr(ac_config, "prefetch_after_attention", False))
+                           prefetch_after_attention=getattr(ac_config, "prefetch_after_attention", False),
+                           resident_blocks=getattr(ac_config, "resident_blocks", 0))
         logger.info("Applied full activation checkpointing with block inputs offloaded to host memory")
     elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,

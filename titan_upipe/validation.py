@@ -248,7 +248,14 @@ def check_offload(job_config) -> None:
     if not isinstance(late, bool):
         raise ConfigError(f"invalid activation_checkpoint.prefetch_after_attention = {late!r}: valid values are "
                           "true, false")
+    resident = getattr(ac, "resident_blocks", 0)
+    if isinstance(resident, bool) or not isinstance(resident, int) or resident < 0:
+        raise ConfigError(f"invalid activation_checkpoint.resident_blocks = {resident!r}: valid values are 0 (every "
+                          "block input offloaded) or a positive number of last blocks kept on the device")
     if not getattr(ac, "cpu_offload", False):
+        if resident:
+            raise ConfigError("activation_checkpoint.resident_blocks keeps some offloaded block inputs on the device: "
+                              "set activation_checkpoint.cpu_offload = true (and mode = \"full\") or drop it")
         if late:  # it would change nothing: no block input is offloaded
             raise ConfigError("activation_checkpoint.prefetch_after_attention = true times the prefetch of offloaded "
                               "block inputs: set activation_checkpoint.cpu_offload = true (and mode = \"full\") "

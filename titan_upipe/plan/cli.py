@@ -41,7 +41,7 @@ def _model_job(args) -> PlanInput:
         pin_memory={"auto": None, "true": True, "false": False}[args.pin_memory],
         ce_backend="liger" if (args.device or "cuda") == "cuda" else "torch",
         attention_backend=args.attention_backend, optimizer_state_on_host=args.optimizer_state_on_host,
-        prefetch_after_attention=args.prefetch_after_attention,
+        prefetch_after_attention=args.prefetch_after_attention, resident_blocks=args.resident_blocks,
     )
     if args.no_transforms:
         job = replace(job, tiled_mlp=False, tiled_rmsnorm=False, fused_rope=False, fused_ce=False,
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefetch-after-attention", action="store_true",
                         help="--model only: fetch the next block's offloaded input after the attention backward "
                              "([activation_checkpoint] prefetch_after_attention = true)")
+    parser.add_argument("--resident-blocks", type=int, default=0,
+                        help="--model only: the last N blocks keep their input on the device "
+                             "([activation_checkpoint] resident_blocks = N)")
     parser.add_argument("--documents", action="store_true",
                         help="packed documents (block-causal masks): plan the document mask on every rank "
                              "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")

@@ -97,6 +97,9 @@ class PlanInput:
     cpu_offload: bool = True
     pin_memory: bool | None = None
     """None: pinned when the pinned host buffers fit ``host_mem``, else pageable (the paper's 5M run)."""
+    resident_blocks: int = 0
+    """``[activation_checkpoint] resident_blocks``: the last N blocks' inputs stay on the device
+    (N fewer on the host; on the device from their forward to their backward)."""
     prefetch_after_attention: bool = False
     """``[activation_checkpoint] prefetch_after_attention``: the next block's input is fetched from
     the host after this block's attention backward, so it is not on the device at the peak."""

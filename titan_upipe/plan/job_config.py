@@ -63,6 +63,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
         cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
         prefetch_after_attention=bool(getattr(ac, "prefetch_after_attention", False)),
+        resident_blocks=int(getattr(ac, "resident_blocks", 0)),
         device=device, documents=getattr(model_args, "attn_mask_type", "causal") == "block_causal",
         optimizer_state_on_host=bool(getattr(job_config.optimizer, "state_on_host", False)),
     )

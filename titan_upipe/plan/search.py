@@ -6,6 +6,7 @@ Both rely on the peak growing with the sequence length (every activation term is
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from titan_upipe.parallel.cp_layout import valid_heads_per_stage
@@ -14,17 +15,19 @@ from titan_upipe.plan.step import plan
 
 
 def max_seq_len(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | None = None,
-                limit: int = 1 << 30) -> int:
+                limit: int = 1 << 30, above: int = 0) -> int:
     """The longest multiple of ``job.seq_unit`` whose plan fits (0 if none does): doubling, then
-    bisection between the last length that fits and the first that does not."""
+    bisection between the last length that fits and the first that does not. ``above``: only a
+    fit longer than this length matters (0 is returned at once when the next multiple does not fit)."""
     unit = job.seq_unit
 
     def fits(k: int) -> bool:
         return plan(replace(job, seq_len=k * unit), host_mem_bytes).fits(gpu_mem_bytes, host_mem_bytes)
 
-    if not fits(1):
+    start = above // unit + 1
+    if not fits(start):
         return 0
-    lo, hi = 1, 2
+    lo, hi = start, 2 * start
     while hi * unit <= limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit // unit + 1)
@@ -37,24 +40,29 @@ def max_seq_len(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | No
     return lo * unit
 
 
-LEVERS: dict[str, str] = {"optimizer.state_on_host": "optimizer_state_on_host",
-                          "activation_checkpoint.prefetch_after_attention": "prefetch_after_attention"}
-"""Settings the longest-fit search may switch on, config key -> ``PlanInput`` field: each one moves
-memory off the GPU at a cost in step time only (parity unchanged), so a cluster's longest fit names
-the ones it needs. Token-independent state on the host trades host memory, which the search checks."""
+LEVERS: dict[str, tuple[str, tuple]] = {
+    "optimizer.state_on_host": ("optimizer_state_on_host", (True,)),
+    "activation_checkpoint.prefetch_after_attention": ("prefetch_after_attention", (True,)),
+    "activation_checkpoint.resident_blocks": ("resident_blocks", (1, 2)),
+}
+"""Settings the longest-fit search may change, config key -> (``PlanInput`` field, values to try):
+each keeps parity exact and trades step time (host AdamW, a later prefetch) or moves memory between
+host and device (resident block inputs), so a cluster's longest fit names the ones it needs."""
 
 
 def longest_fit(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | None = None
-                ) -> tuple[int, dict[str, bool]]:
-    """``(length, settings)``: the longest length over the job's settings and each ``LEVERS``
-    combination switched on from them, with the levers it needs (``{}``: as configured). A lever
-    that lowers the fit (host-bound) is never chosen."""
+                ) -> tuple[int, dict[str, object]]:
+    """``(length, settings)``: the longest length over the job's own settings and every combination
+    of ``LEVERS`` values, with the changes it needs (``{}``: as configured); among equally long
+    fits the one changing fewest settings (a lever that does not lengthen the fit is not named)."""
+    options = [[None, *(v for v in values if v != getattr(job, field))] for field, values in LEVERS.values()]
     best_len, best_settings = max_seq_len(job, gpu_mem_bytes, host_mem_bytes), {}
-    off = [key for key, name in LEVERS.items() if not getattr(job, name)]
-    for mask in range(1, 1 << len(off)):
-        settings = {key: True for i, key in enumerate(off) if mask >> i & 1}
-        candidate = replace(job, **{LEVERS[key]: True for key in settings})
-        length = max_seq_len(candidate, gpu_mem_bytes, host_mem_bytes)
+    for combo in sorted(itertools.product(*options), key=lambda c: sum(v is not None for v in c)):
+        settings = {key: v for key, v in zip(LEVERS, combo, strict=True) if v is not None}
+        if not settings:
+            continue
+        candidate = replace(job, **{LEVERS[key][0]: v for key, v in settings.items()})
+        length = max_seq_len(candidate, gpu_mem_bytes, host_mem_bytes, above=best_len)  # mostly one plan
         if length > best_len:
             best_len, best_settings = length, settings
     return best_len, best_settings

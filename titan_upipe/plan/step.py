@@ -51,7 +51,11 @@ class StepWalk:
         """Activations on the device kept by ``blocks`` blocks whose backward has not run yet
         (their inputs included: the embedding output is block 0's input)."""
         job, u = self.job, self.sizes.hidden
-        if job.offloaded or blocks == 0:
+        if job.offloaded:
+            # the last ``resident_blocks`` blocks' inputs stay on the device (blocks >= n - N)
+            resident = max(0, blocks - (self.sizes.model.n_layers - job.resident_blocks))
+            return {Counted(Term.BLOCKS_RESIDENT, resident): resident * u} if resident else {}
+        if blocks == 0:
             return {}
         if job.ac_mode == "full":
             return {Counted(Term.BLOCKS_CHECKPOINTED, blocks): blocks * u}
@@ -173,7 +177,8 @@ class StepWalk:
     def host(self) -> MemoryPlan:
         """The plan, with the offloaded block inputs in host memory (PyTorch's pinned allocator
         rounds each up to a power of 2)."""
-        job, n, u = self.job, self.sizes.model.n_layers, self.sizes.hidden
+        job, u = self.job, self.sizes.hidden
+        n = max(self.sizes.model.n_layers - job.resident_blocks, 0)  # inputs on the host
         pageable = n * u if job.offloaded else 0
         pinned = n * pow2_ceil(u) if job.offloaded else 0
         use_pinned = job.offloaded and job.pin_memory is not False

@@ -47,6 +47,7 @@ class Term(Enum):
     EMBEDDING_OUT = "embedding output"
     BLOCK0_INPUT = "embedding output (block 0 input)"
     BLOCKS_CHECKPOINTED = "checkpointed inputs of {blocks} block(s)"
+    BLOCKS_RESIDENT = "inputs of {blocks} block(s) kept on the device (resident_blocks)"
     BLOCKS_KEPT = "activations kept by {blocks} block(s) ({each} each)"
     BLOCK_INPUT = "block input"
     CHECKPOINTED_INPUT = "checkpointed block inputs"

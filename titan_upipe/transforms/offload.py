@@ -11,7 +11,10 @@ one backward needs) on a side stream, so the transfer overlaps this block's reco
 ``prefetch_after_attention`` that copy starts only when the block's attention backward (the
 peak of a block's backward at long context) has finished: one hidden state less at the peak, a
 transfer the next block's backward may wait for (a block's backward takes far longer than the
-copy at millions of tokens).
+copy at millions of tokens). With ``resident_blocks = K`` the last K blocks keep their input on
+the device (plain full AC for them): backward needs those first, so they cost device memory only
+from their forward to their backward, never at block 0's backward peak, and save K inputs of
+host memory (what bounds the longest context of a node when host memory runs out first).
 
 TorchTitan's Llama3 and Qwen3 blocks are checkpointed as two chained autograd Functions split at
 ``h``, the residual stream after attention: :class:`OffloadedAttentionHalf` (``x -> h = x +
@@ -90,10 +93,15 @@ class _Streams:
 
 
 class OffloadedInput:
-    """One block input living in host memory from forward to backward."""
+    """One block input living in host memory from forward to backward (or, ``resident``, kept on
+    the device as it is: no copy either way)."""
 
-    def __init__(self, x: Tensor, pin_memory: bool, streams: _Streams, previous: OffloadedInput | None) -> None:
-        self.device, self.previous, self.streams = x.device, previous, streams
+    def __init__(self, x: Tensor, pin_memory: bool, streams: _Streams, previous: OffloadedInput | None,
+                 resident: bool = False) -> None:
+        self.device, self.previous, self.streams, self.resident = x.device, previous, streams, resident
+        if resident:
+            self.host, self.copied, self.fetched, self.nbytes = x, None, None, 0
+            return
         self.host: Tensor | None = torch.empty(x.shape, dtype=x.dtype, device="cpu",
                                                pin_memory=pin_memory and x.is_cuda)
         self.copied: torch.cuda.Event | None = None
@@ -112,8 +120,8 @@ class OffloadedInput:
         OFFLOAD_STATS.add(self.nbytes)
 
     def prefetch(self) -> None:
-        """Start the host-to-device copy on the prefetch stream (CUDA; no-op on CPU)."""
-        if self.device.type != "cuda" or self.fetched is not None or self.host is None:
+        """Start the host-to-device copy on the prefetch stream (CUDA; no-op on CPU and resident)."""
+        if self.device.type != "cuda" or self.fetched is not None or self.host is None or self.resident:
             return
         _, prefetch_stream = self.streams.get()
         with torch.cuda.stream(prefetch_stream):
@@ -137,7 +145,9 @@ class OffloadedInput:
                                "needs retain_graph, which offloaded checkpointing does not support)")
         if prefetch_previous:
             self.prefetch_previous()
-        if self.device.type == "cuda":
+        if self.resident:
+            on_device = self.host
+        elif self.device.type == "cuda":
             self.prefetch()
             on_device, done = self.fetched
             torch.cuda.current_stream().wait_event(done)
@@ -145,7 +155,8 @@ class OffloadedInput:
         else:
             on_device = self.host
         self.host = self.fetched = None
-        OFFLOAD_STATS.remove(self.nbytes)
+        if not self.resident:
+            OFFLOAD_STATS.remove(self.nbytes)
         return on_device
 
 
@@ -295,9 +306,9 @@ class OffloadSchedule:
         self.streams = _Streams()
         self.last: OffloadedInput | None = None
 
-    def slot_factory(self, first_block: bool):
+    def slot_factory(self, first_block: bool, resident: bool = False):
         def make(x: Tensor) -> OffloadedInput:
-            slot = OffloadedInput(x, self.pin_memory, self.streams, None if first_block else self.last)
+            slot = OffloadedInput(x, self.pin_memory, self.streams, None if first_block else self.last, resident)
             self.last = slot
             return slot
 
@@ -307,16 +318,16 @@ class OffloadSchedule:
 class OffloadedCheckpointWrapper(ActivationWrapper):
     """A transformer block under full activation checkpointing with its input offloaded."""
 
-    def __init__(self, block: nn.Module, schedule: OffloadSchedule, first_block: bool) -> None:
+    def __init__(self, block: nn.Module, schedule: OffloadSchedule, first_block: bool, resident: bool = False) -> None:
         super().__init__(block)
-        self.schedule, self.first_block = schedule, first_block
+        self.schedule, self.first_block, self.resident = schedule, first_block, resident
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         block = self._checkpoint_wrapped_module
         if not (torch.is_grad_enabled() and x.requires_grad):
             return block(x, *args, **kwargs)
 
-        slot_factory = self.schedule.slot_factory(self.first_block)
+        slot_factory = self.schedule.slot_factory(self.first_block, self.resident)
         if splits_at_h(block):
             split = SplitBlock(block, attention_args(block, x, *args, **kwargs),
                                self.schedule.prefetch_after_attention)
@@ -329,9 +340,14 @@ class OffloadedCheckpointWrapper(ActivationWrapper):
         return OffloadedCheckpointFunction.apply(run, x, slot_factory, self.schedule.prefetch_after_attention)
 
 
-def apply_offloaded_ac(model: nn.Module, pin_memory: bool, prefetch_after_attention: bool = False) -> OffloadSchedule:
-    """Wrap every block of ``model.layers`` (TorchTitan layout) in place."""
+def apply_offloaded_ac(model: nn.Module, pin_memory: bool, prefetch_after_attention: bool = False,
+                       resident_blocks: int = 0) -> OffloadSchedule:
+    """Wrap every block of ``model.layers`` (TorchTitan layout) in place; the last ``resident_blocks``
+    keep their input on the device."""
     schedule = OffloadSchedule(pin_memory, prefetch_after_attention)
-    for index, (name, block) in enumerate(list(model.layers.named_children())):
-        model.layers.register_module(name, OffloadedCheckpointWrapper(block, schedule, first_block=index == 0))
+    blocks = list(model.layers.named_children())
+    for index, (name, block) in enumerate(blocks):
+        resident = index >= len(blocks) - resident_blocks
+        model.layers.register_module(name, OffloadedCheckpointWrapper(block, schedule, first_block=index == 0,
+                                                                      resident=resident))
     return schedule
