@@ -242,7 +242,12 @@ CASES = [
     # attention backward sets the peak
     (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "4096",
       "--training.mixed_precision_param", "bfloat16", "--transforms.ce_backend", "torch"], 2),
+    # issue 18's settings, within 1 %: the last block's input on the device, AdamW's moments on the host
+    (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "4096",
+      "--activation_checkpoint.resident_blocks", "1"], 2),
+    (["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "256", "--optimizer.state_on_host"], 4),
 ]
+ISSUE_18 = ("--activation_checkpoint.resident_blocks", "--optimizer.state_on_host")
 
 
 def _phase_of(moment: P.Moment) -> str:
@@ -264,7 +269,8 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
     for (args, world), got in zip(CASES, measured, strict=True):
         result = P.plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
                                                       for a in args]), world, device="cpu")
-        assert abs(result.peak_gpu_bytes / got["total"] - 1) <= 0.10, (args, result.peak_gpu_bytes, got)
+        tolerance = 0.01 if any(a in ISSUE_18 for a in args) else 0.10
+        assert abs(result.peak_gpu_bytes / got["total"] - 1) <= tolerance, (args, result.peak_gpu_bytes, got)
         predicted = {}
         for moment in result.moments:
             phase = _phase_of(moment)

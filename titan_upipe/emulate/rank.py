@@ -25,6 +25,7 @@ from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from titan_upipe.flavors import flavor_args
+from titan_upipe.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
 from titan_upipe.memory_tracker import storage_bytes
 from titan_upipe.registry import register_plugin
 
@@ -142,12 +143,15 @@ class TrainingRank:
         return {id(p) for p in self.params if is_layer_parameter(self.names[id(p)])}
 
     def optimizer_tensors(self, only: set[int] | None = None) -> list[torch.Tensor]:
-        """Tensors of the optimizers' per-parameter state (``only``: of these parameter ids)."""
+        """Tensors of the optimizers' per-parameter state on the device (``only``: of these parameter
+        ids). ``HostStateAdamW``'s moments (``[optimizer] state_on_host``) live in host memory by
+        design and are left out, on CPU too, where host and device are the same memory."""
         tensors: list[torch.Tensor] = []
         for optimizer in getattr(self.optimizers, "optimizers", [self.optimizers]):
+            on_host = AMSGRAD_MOMENTS if isinstance(optimizer, HostStateAdamW) else ()
             for param, state in optimizer.state.items():
                 if only is None or id(param) in only:
-                    tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+                    tensors.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k not in on_host)
         return tensors
 
     def resident_bytes(self) -> int:
