@@ -55,10 +55,13 @@ def test_parity_check_bf16_reports_nonzero_errors_within_tolerance():
     assert 0 < float(worst.split()[-1]) <= 3e-2, worst
 
 
-def test_parity_check_rejects_wrong_world_size():
-    proc = _run_check("configs/debug/llama3_upipe.toml", 1)
-    assert proc.returncode != 0
-    assert "--nproc_per_node 2" in proc.stdout + proc.stderr
+def test_parity_check_rejects_wrong_world_size(monkeypatch):
+    """One process for a CP 2 config: refused before any process group (in-process: no torchrun)."""
+    from titan_upipe.check import run_check
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="--nproc_per_node 2"):
+        run_check(["--job.config_file", str(REPO / "configs/debug/llama3_upipe.toml"), "--seq-len", "64"])
 
 
 def _check_with_shifted_positions(rank, world, mesh, config):

@@ -242,9 +242,9 @@ CASES = [
     # attention backward sets the peak
     (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "4096",
       "--training.mixed_precision_param", "bfloat16", "--transforms.ce_backend", "torch"], 2),
-    # issue 18's settings, within 1 %: the last block's input on the device, AdamW's moments on the host
-    (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "4096",
-      "--activation_checkpoint.resident_blocks", "1"], 2),
+    # issue 18's settings, within 1 %: AdamW's moments on the host. (resident_blocks = 1 agrees to
+    # 0.09 % but never holds the resident input at a peak of the 2-block debug model, so it proves
+    # little for its run time: docs/planner.md keeps its row; resident_blocks = 2 is off by 1.02 %.)
     (["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "256", "--optimizer.state_on_host"], 4),
 ]
 ISSUE_18 = ("--activation_checkpoint.resident_blocks", "--optimizer.state_on_host")
