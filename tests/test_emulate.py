@@ -112,24 +112,43 @@ def test_cli_json_has_the_report_keys(emulated):
 
 
 _EXTRAPOLATE = """
-import json
+import json, sys
 from titan_upipe.emulate import StateBytes, StepPeaks, extrapolate_layers, measure_step
 from titan_upipe.train import parse_config
-job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "128"])
-small, big = (measure_step(job, 4, fake=True, n_layers=n) for n in (2, 4))
-estimate = extrapolate_layers(n_measured=2, n_full=4, state=StateBytes.of(small), peaks=StepPeaks.of(small))
-print(json.dumps({"estimate": estimate.total_peak_bytes, "state": estimate.state_bytes,
-                  "measured": big.total_peak_bytes, "measured_state": big.state_bytes}))
+results = {}
+for name, args, world in json.loads(sys.argv[1]):
+    job = parse_config(args)
+    small, big = (measure_step(job, world, fake=True, n_layers=n) for n in (2, 4))
+    estimate = extrapolate_layers(n_measured=2, n_full=4, state=StateBytes.of(small), peaks=StepPeaks.of(small))
+    results[name] = {"estimate": estimate.total_peak_bytes, "state": estimate.state_bytes,
+                     "phases": {k: estimate.phase_peak_bytes[k] for k in ("forward", "backward")},
+                     "measured": big.total_peak_bytes, "measured_state": big.state_bytes,
+                     "measured_phases": {k: big.phase_peak_bytes[k] for k in ("forward", "backward")},
+                     "retained": small.retained_bytes_per_layer}
+print(json.dumps(results))
 """
+EXTRAPOLATED = [
+    # no AC: every block keeps its activations (its input among them)
+    ("plain", ["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "128"], 4),
+    # the GPU recipes' structure: offloaded full AC keeps nothing on the device per block (the
+    # block's output, counted in its forward's delta, is the next block's input, not kept)
+    ("offloaded", ["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "1024",
+                   "--training.mixed_precision_param", "bfloat16", "--transforms.ce_backend", "torch"], 2),
+]
 
 
 def test_two_block_extrapolation_matches_a_four_block_model():
-    proc = subprocess.run([sys.executable, "-c", _EXTRAPOLATE], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _EXTRAPOLATE, json.dumps(EXTRAPOLATED)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["state"] == result["measured_state"]
-    assert _relative(result["estimate"], result["measured"]) <= 0.02, result
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, result in results.items():
+        assert result["state"] == result["measured_state"], name
+        assert _relative(result["estimate"], result["measured"]) <= 0.02, (name, result)
+    # offloaded blocks: the forward and backward peaks extrapolate exactly (charging each block
+    # its output, as before 2026-11-23, put the forward 2 hidden states and the backward 1.34 too high)
+    assert results["offloaded"]["phases"] == results["offloaded"]["measured_phases"], results["offloaded"]
+    assert results["offloaded"]["retained"] == 0 and results["plain"]["retained"] > 0
 
 
 def test_extrapolate_layers_arithmetic():

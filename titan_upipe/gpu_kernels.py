@@ -336,7 +336,9 @@ CHECKS = {"contract": contract_checks, "varlen": varlen_checks, "fused_ce": fuse
           "offload_streams": offload_checks, "bf16_parity": parity_checks, "compile": compile_checks}
 
 
-def run_kernel_checks(device: str = "cuda") -> list[dict]:
+def run_kernel_checks(device: str = "cuda", on_result: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every check in ``CHECKS`` order; ``on_result(results)`` after each, so a killed call keeps
+    the report of the checks that finished."""
     results = []
     for name, check in CHECKS.items():
         try:
@@ -345,4 +347,6 @@ def run_kernel_checks(device: str = "cuda") -> list[dict]:
             results.append(_result(name, "", False, f"{type(exc).__name__}: {exc}"))
         print(f"[kernels] {name}: {'ok' if all(r['ok'] for r in results if r['check'] == name) else 'FAILED'}",
               flush=True)
+        if on_result:
+            on_result(results)
     return results

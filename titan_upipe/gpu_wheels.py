@@ -5,6 +5,7 @@ it works before torch and torchtitan are installed:
 
     python3 titan_upipe/gpu_wheels.py split .whl      # after pip download: parts + manifest.json
     python3 titan_upipe/gpu_wheels.py install .whl --target /tmp/site   # reassemble, verify, install
+    python3 titan_upipe/gpu_wheels.py pythonpath --target /tmp/site   # PYTHONPATH it needs (.pth entries too)
     python3 titan_upipe/gpu_wheels.py check .whl      # what the suite's --dry-run prints
     python3 titan_upipe/gpu_wheels.py list            # name==version of every wheel to download
 
@@ -22,6 +23,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 PART_BYTES = 60 * 2**20
@@ -149,7 +151,21 @@ def check_manifest(folder: Path) -> tuple[list[str], list[str]]:
             problems.append(f"wheels: {key} is missing (scripts/gpu_wheels.sh downloads it)")
         elif found[key] != version:
             problems.append(f"wheels: {key} {found[key]}, the suite is validated with {version}")
+    whole = [folder / e["file"] for e in manifest["wheels"] if not e["parts"] and (folder / e["file"]).exists()]
+    if "flash_attn_4" in found and whole and not any(_has_member(w, CUTE_MODULE) for w in whole):
+        lines.append(f"warning: flash-attn-4 imports cutlass.cute, and no carried wheel has {CUTE_MODULE}: FlashAttention-4 "
+                     "will not import on the GPU machine (its contract and varlen checks report it skipped; "
+                     "the CuTe DSL wheels 4.4-4.8 from this index ship only cutlass/_mlir, seen 2026-11-23)")
     return problems, lines
+
+
+CUTE_MODULE = "cutlass/cute/__init__.py"
+"""What ``import flash_attn.cute.interface`` needs from the CuTe DSL wheels."""
+
+
+def _has_member(wheel: Path, suffix: str) -> bool:
+    with zipfile.ZipFile(wheel) as archive:
+        return any(name.endswith(suffix) for name in archive.namelist())
 
 
 def install(folder: Path, target: Path) -> None:
@@ -158,9 +174,23 @@ def install(folder: Path, target: Path) -> None:
                     "--upgrade", "--target", str(target), *map(str, wheels)], check=True)
 
 
+def site_paths(target: Path) -> list[str]:
+    """The ``sys.path`` entries ``target`` needs: itself and what its ``.pth`` files add.
+
+    Python runs ``.pth`` files only in site directories, never in a ``PYTHONPATH`` entry, and
+    the CuTe DSL meta package puts its ``cutlass`` modules on the path with one
+    (``nvidia_cutlass_dsl_packages.pth``): without its entry FlashAttention-4 fails to import.
+    Read off in a child interpreter that makes ``target`` a site directory."""
+    probe = ("import site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); "
+             "print('\\n'.join(p for p in sys.path if p not in before))")
+    out = subprocess.run([sys.executable, "-c", probe, str(target)], check=True, capture_output=True, text=True)
+    paths = [line for line in out.stdout.splitlines() if line]
+    return [str(target)] + [p for p in paths if p != str(target)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["split", "install", "check", "list"])
+    parser.add_argument("action", choices=["split", "install", "check", "list", "pythonpath"])
     parser.add_argument("folder", type=Path, nargs="?", default=Path(".whl"))
     parser.add_argument("--target", type=Path, default=Path("/tmp/site"), help="install: where (PYTHONPATH)")
     args = parser.parse_args(argv)
@@ -171,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(manifest['wheels'])} wheels in {args.folder / MANIFEST}")
     elif args.action == "install":
         install(args.folder, args.target)
-        print(f"installed into {args.target}: export PYTHONPATH={args.target}:$PYTHONPATH")
+        print(f"installed into {args.target}: export PYTHONPATH={':'.join(site_paths(args.target))}:$PYTHONPATH")
+    elif args.action == "pythonpath":
+        print(":".join(site_paths(args.target)))
     else:
         problems, lines = check_manifest(args.folder)
         print("\n".join(lines + [f"problem: {p}" for p in problems]))

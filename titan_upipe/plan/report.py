@@ -122,14 +122,23 @@ def paper_table4(model: str) -> dict[str, dict[int, float | None]] | None:
     return rows
 
 
+LONG_CONTEXT_SWITCHES = {"prefetch_after_attention": True, "resident_blocks": 1}
+"""Issue 18's switches (the longest fit of Llama3-8B on 8 GPUs and Qwen3-32B on 16): the plot's
+"these settings" line beside UPipe with the paper's settings."""
+LONG_CONTEXT_LABEL = "late prefetch + resident_blocks = 1"
+
+
 def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
-    """Ulysses, UPipe (U = C) and USP on the job's model and cluster."""
+    """Ulysses, UPipe (U = C) with the paper's settings and with issue 18's switches, and USP on
+    the job's model and cluster."""
     variants = []
     cu = job.ulysses_degree if job.ulysses_degree > 1 else job.cp
     ring = job.cp // cu
     if ring == 1:
         variants.append(("Ulysses", replace(job, mode="ulysses", ulysses=job.cp, heads_per_stage=None)))
-        variants.append((f"UPipe (U = C = {cu})", replace(job, mode="upipe", ulysses=job.cp, heads_per_stage=None)))
+        upipe = replace(job, mode="upipe", ulysses=job.cp, heads_per_stage=None)
+        variants.append((f"UPipe (U = C = {cu})", upipe))
+        variants.append((f"UPipe (U = C = {cu}), {LONG_CONTEXT_LABEL}", replace(upipe, **LONG_CONTEXT_SWITCHES)))
         usp_u = next((d for d in range(job.cp // 2, 1, -1) if job.cp % d == 0 and job.model.n_heads % d == 0), None)
         if usp_u:
             variants.append((f"USP (ulysses {usp_u} x ring {job.cp // usp_u})",
@@ -137,7 +146,9 @@ def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
         variants.append((f"Ring (zigzag, {job.cp})", replace(job, mode="ring", ulysses=1, heads_per_stage=None)))
     else:
         variants.append((f"USP (ulysses {cu} x ring {ring})", replace(job, mode="usp", ulysses=cu, heads_per_stage=None)))
-        variants.append((f"UPipe in USP (U = {cu})", replace(job, mode="upipe", ulysses=cu, heads_per_stage=None)))
+        upipe = replace(job, mode="upipe", ulysses=cu, heads_per_stage=None)
+        variants.append((f"UPipe in USP (U = {cu})", upipe))
+        variants.append((f"UPipe in USP (U = {cu}), {LONG_CONTEXT_LABEL}", replace(upipe, **LONG_CONTEXT_SWITCHES)))
         if job.model.n_heads % job.cp == 0:
             variants.append((f"Ulysses ({job.cp})", replace(job, mode="ulysses", ulysses=job.cp, heads_per_stage=None)))
     return variants
@@ -160,7 +171,7 @@ def _plot_predictions(ax, job: PlanInput, host_mem_bytes: float | None) -> None:
             except ValueError:
                 continue
             xs.append(s / (K * K))
-        style = "--^" if label.startswith("Ring") else "-o"
+        style = "--^" if label.startswith("Ring") else (":s" if LONG_CONTEXT_LABEL in label else "-o")
         ax.plot(xs, ys, style, color=_color(label), label=f"{label}: predicted", markersize=4)
 
 
