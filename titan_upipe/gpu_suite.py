@@ -76,7 +76,6 @@ MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
 """128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
 MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
 SPEED_LENGTHS = ("128K", "1M", "2M")
-RECIPE_LENGTHS = {"128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M"}
 MEMORY_LAYERS = 2
 """Blocks the memory runs build (the emulator extrapolates to the flavor's depth; it needs >= 2)."""
 STARTUP_S = 30.0
@@ -129,10 +128,9 @@ def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
 
 
 def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Run:
-    # a shipped recipe of this length where there is one (UPipe's 6M and 7M recipes add the
-    # issue-18 levers), else the 5M recipe with a longer seq_len
-    has_recipe = length in RECIPE_LENGTHS or (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists()
-    recipe = length if has_recipe else "5M"
+    # a shipped recipe of this length where there is one (128K-5M; UPipe's 6M and 7M recipes add
+    # the issue-18 levers), else the 5M recipe with a longer seq_len
+    recipe = length if (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists() else "5M"
     extra = () if length == recipe else ("--training.seq_len", str(LENGTHS[length]))
     return Run(stage, f"llama3_8b {method} {length}", _emulator(f"configs/llama3_8b/{method}_{recipe.lower()}.toml",
                                                               8, *extra),
