@@ -145,9 +145,15 @@ def test_two_block_extrapolation_matches_a_four_block_model():
     for name, result in results.items():
         assert result["state"] == result["measured_state"], name
         assert _relative(result["estimate"], result["measured"]) <= 0.02, (name, result)
-    # offloaded blocks: the forward and backward peaks extrapolate exactly (charging each block
-    # its output, as before 2026-11-23, put the forward 2 hidden states and the backward 1.34 too high)
-    assert results["offloaded"]["phases"] == results["offloaded"]["measured_phases"], results["offloaded"]
+    # offloaded blocks: the forward peak extrapolates exactly (charging each block its output, as
+    # before 2026-11-23, put the forward 2 hidden states and the backward 1.34 too high); the
+    # backward falls short by exactly one hidden state: the 2-block model peaks in block 0, which
+    # prefetches nothing, the 4-block model in block 1, which holds block 0's prefetched input
+    # (measured 2026-11-23: the planner has both peaks within 0.05 %)
+    offloaded = results["offloaded"]
+    hidden = 1024 // 2 * 128 * 2  # S/C tokens x dim 128 (the debug flavor) x bf16
+    assert offloaded["phases"]["forward"] == offloaded["measured_phases"]["forward"], offloaded
+    assert offloaded["measured_phases"]["backward"] - offloaded["phases"]["backward"] == hidden, offloaded
     assert results["offloaded"]["retained"] == 0 and results["plain"]["retained"] > 0
 
 

@@ -526,10 +526,12 @@ def test_offload_prefetch_starts_before_the_recompute_or_after_the_attention_bac
 
     events: list[tuple[str, int]] = []
     real_prefetch = offload.OffloadedInput.prefetch
+    start, held = offload.OFFLOAD_STATS.prefetched_bytes, []
 
     def spy(slot):
         events.append(("prefetch", slot.block))
-        return real_prefetch(slot)
+        real_prefetch(slot)
+        held.append(offload.OFFLOAD_STATS.prefetched_bytes - start)
 
     monkeypatch.setattr(offload.OffloadedInput, "prefetch", spy)
     torch.manual_seed(0)
@@ -561,6 +563,12 @@ def test_offload_prefetch_starts_before_the_recompute_or_after_the_attention_bac
             assert backward.index(("attention", block)) < prefetch < backward.index(("recompute", block - 1))
         else:
             assert prefetch < backward.index(("attention", block))
+    # The inputs copied ahead of their block's backward (device memory a CPU run must count as
+    # such): early, block 0's copy starts while block 1's own prefetched copy is still counted
+    # (fetched just after); late, each is alone. Every count is taken back by the fetch.
+    one_input = 2 * 32 * 64 * 4
+    assert held == ([one_input, one_input] if late else [one_input, 2 * one_input])
+    assert offload.OFFLOAD_STATS.prefetched_bytes == start
     for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
         assert torch.equal(q.grad, p.grad), name
 

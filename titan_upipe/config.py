@@ -114,7 +114,7 @@ class ActivationCheckpointOffload:
     resident_blocks: int = 0
     """With ``cpu_offload``: the last N blocks keep their input on the device (backward needs them
     first): N block inputs less host memory, N more on the device from their forward to their
-    backward, never at block 0's backward peak (``docs/planner.md``, issue 18)."""
+    backward, never at the backward peak (blocks 0-1) (``docs/planner.md``, issue 18)."""
 
     prefetch_after_attention: bool = False
     """With ``cpu_offload``: start the copy of the input the next block's backward needs only after

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -60,7 +60,8 @@ import torch
 from titan_upipe.gpu_kernels import run_kernel_checks
 from titan_upipe.gpu_wheels import check_manifest
 from titan_upipe.paper_tables import paper_value
-from titan_upipe.plan import plan_from_job_config
+from titan_upipe.plan import plan
+from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.registry import register_plugin
 from titan_upipe.train import parse_config
 
@@ -245,17 +246,23 @@ def _gib(n: float | None) -> str:
 
 
 def _memory_table(results: list[dict]) -> list[str]:
-    lines = ["| model | method | length | layers | max allocated GiB (full) | max reserved GiB (full) | planner GiB "
-             "| paper T4 GiB |", "|---|---|---|---|---|---|---|---|"]
+    """Two comparisons per run: at the depth the run built (``max_memory_allocated`` itself beside the
+    planner at that depth: no extrapolation on either side) and at the flavor's depth (the
+    emulator's extrapolation beside the planner and the paper)."""
+    lines = ["| model | method | length | layers | max allocated GiB | planner GiB (same layers) "
+             "| max allocated GiB (full) | max reserved GiB (full) | planner GiB (full) | paper T4 GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r.get("measurement") or {}
         full = m.get("full") or {}
         if r.get("oom"):
-            cells = ["OOM", "OOM"]
+            cells = ["OOM", "OOM", "OOM"]
         else:
-            cells = [_gib(full.get("device_peak_allocated_bytes")), _gib(full.get("device_peak_reserved_bytes"))]
+            cells = [_gib(m.get("device_peak_allocated_bytes")), _gib(full.get("device_peak_allocated_bytes")),
+                     _gib(full.get("device_peak_reserved_bytes"))]
         lines.append(f"| {r['model']} | {r['method']} | {r['length']} | {m.get('n_layers', '-')} | {cells[0]} | "
-                     f"{cells[1]} | {_fmt(r.get('planner_gib'))} | {_fmt(r.get('paper_gib'))} |")
+                     f"{_fmt(r.get('planner_gib_run_depth'))} | {cells[1]} | {cells[2]} | "
+                     f"{_fmt(r.get('planner_gib'))} | {_fmt(r.get('paper_gib'))} |")
     return lines
 
 
@@ -305,13 +312,21 @@ def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
 
 
 def _add_memory_context(result: dict) -> None:
+    """The planner at the flavor's depth and at the depth the run built (``--n-layers``): the
+    latter is the like-for-like figure, since the emulator's extrapolation carries the held
+    reduce-scatter input of the last block's group (the output projection, 2.2x a block's in
+    Llama3-8B) from a short model's peak block into the full depth (docs/planner.md)."""
     argv = result["argv"]
     config = argv[argv.index("--job.config_file") + 1]
     overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
     cp_world = int(argv[argv.index("--cp-world") + 1])
-    plan = plan_from_job_config(parse_config(["--job.config_file", str(REPO / config), *overrides]),
-                                world_size=cp_world, device="cuda")
-    result["planner_gib"] = plan.peak_gpu_bytes / 2**30
+    job = plan_input_from_job_config(parse_config(["--job.config_file", str(REPO / config), *overrides]),
+                                     world_size=cp_world, device="cuda")
+    result["planner_gib"] = plan(job).peak_gpu_bytes / 2**30
+    if "--n-layers" in argv:
+        depth = int(argv[argv.index("--n-layers") + 1])
+        short = replace(job, model=replace(job.model, n_layers=depth))
+        result["planner_gib_run_depth"] = plan(short).peak_gpu_bytes / 2**30
     model = result["model"]
     method = "upipe" if result["method"] == "upipe_usp" else result["method"]
     result["paper_gib"] = paper_value("4", model, method, "peak_memory", result["length"])
@@ -348,6 +363,22 @@ def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = Non
     return results
 
 
+def replan_report(json_path: Path, when: str) -> StageReport:
+    """A committed memory report with its planner columns recomputed by this checkout's planner
+    (``--replan``); the measurements are left as they were. ``when`` is recorded beside the
+    report's environment, so a reader sees which planner the columns come from."""
+    data = json.loads(Path(json_path).read_text())
+    if data.get("stage") != "memory":
+        raise ValueError(f"{json_path}: --replan takes a memory report, this one is stage {data.get('stage')!r}")
+    report = StageReport(data["stage"], dict(data["environment"]), data["results"], data.get("not_run", []),
+                         tuple(data["lengths"]) if data.get("lengths") else None)
+    for result in report.results:
+        if result.get("argv"):
+            _add_memory_context(result)
+    report.environment["planner columns recomputed"] = when
+    return report
+
+
 def _add_speed_context(results: list[dict]) -> None:
     by_key = {}
     for r in results:
@@ -382,6 +413,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "folder that comes back)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check arguments, configs, the wheel manifest and print the plan; run nothing")
+    parser.add_argument("--replan", metavar="REPORT_JSON", type=Path, default=None,
+                        help="recompute the planner columns of a memory report (JSON and Markdown, in place) "
+                             "with this checkout's planner; runs nothing, needs no GPU")
     args = parser.parse_args(argv)
     if args.lengths is not None:
         lengths = tuple(x.strip().upper() for x in args.lengths.split(",") if x.strip())
@@ -430,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     register_plugin()
+    if args.replan is not None:
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        report = replan_report(args.replan, when)
+        json_path, md_path = report.write(args.replan.parent)
+        print(f"replanned: {json_path}, {md_path}")
+        return 0
     if args.dry_run:
         problems = dry_run(args)
         for problem in problems:

@@ -241,6 +241,9 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
     def offloaded() -> int:
         return OFFLOAD_STATS.host_bytes - offload_start
 
+    def on_host() -> int:  # a prefetched input is on the device from its prefetch on, as on a GPU
+        return offloaded() - OFFLOAD_STATS.prefetched_bytes
+
     rank.optimizers.zero_grad()
     timers.forward_s = timers.backward_s = 0.0
     blocks.clear()
@@ -249,7 +252,7 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
         torch.cuda.reset_peak_memory_stats(device)
     baseline = rank.resident_bytes()
     # On CPU the offloaded block inputs are tracked (host == device): subtract them.
-    tracker = StepTracker(device.type, offloaded if device.type == "cpu" else None)
+    tracker = StepTracker(device.type, on_host if device.type == "cpu" else None)
     blocks.tracker = tracker
     peaks: dict[str, tuple[int, str]] = {}
     with tracker:

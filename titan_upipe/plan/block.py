@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from titan_upipe.plan.attention import AttentionTerms, ulysses_attention
-from titan_upipe.plan.job import UPIPE_MODES
+from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.state import ATTENTION_NORM, FFN_NORM, mlp_saved, mlp_tile, norm_out
 from titan_upipe.plan.terms import Term, Terms
@@ -110,12 +110,19 @@ def _ffn_norm_backward(s: StepSizes) -> Terms:
     return {Term.FFN_NORM_DX_FP32: 4 * s.tokens * m.dim * 4}
 
 
-def block_backward_moments(s: StepSizes, att: AttentionTerms) -> list[BlockMoment]:
+def prefetches(job: PlanInput, block: int, n_layers: int) -> bool:
+    """Whether block ``block``'s backward prefetches the input of the block below it: offloaded full
+    AC, and that block's input offloaded (block 0 has none below; resident inputs need no copy)."""
+    return job.offloaded and 1 <= block <= n_layers - job.resident_blocks
+
+
+def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool) -> list[BlockMoment]:
     """The moments inside one block's backward, beyond the activations of the blocks before it
-    (``below``) and the state. Includes the gradient arriving from the block above."""
+    (``below``) and the state. Includes the gradient arriving from the block above and, with
+    ``prefetch`` (offloaded AC, the block below offloaded: ``prefetches``), that block's input
+    copied to the device ahead of its backward (on CPU the emulator counts it from the same moment)."""
     job, m, u, p = s.job, s.model, s.hidden, s.weight_bytes
     common: Terms = {Term.GRAD_BLOCK_OUT: u}
-    prefetch = job.ac_mode == "full" and job.offloaded and s.cuda  # the copy is a no-op on CPU
     if job.ac_mode == "full":
         common[Term.RECOMPUTE_INPUT] = u
         if prefetch and not job.prefetch_after_attention:

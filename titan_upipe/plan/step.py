@@ -1,7 +1,8 @@
 """The walk through one steady-state training step, moment by moment, and ``plan``.
 
 Moments: the embedding, the forward of the first and last block (the last has the most below
-it), the loss forward and backward, the backward of the last, second-to-last and first block
+it), the loss forward and backward, the backward of the last, second-to-last, lowest resident,
+second and first block
 (recomputation, MLP, ffn_norm, attention, the block's reduce-scatter), the embedding backward
 and the AdamW step (with packed documents also the mask's build and its segments' at block 0).
 Each moment is the state, FSDP's buffers, the activations kept by the blocks below (``below``)
@@ -10,7 +11,13 @@ and the terms of what runs; the peak is the largest total.
 
 from __future__ import annotations
 
-from titan_upipe.plan.block import attention_terms, block_backward_moments, block_forward_peak, block_retained
+from titan_upipe.plan.block import (
+    attention_terms,
+    block_backward_moments,
+    block_forward_peak,
+    block_retained,
+    prefetches,
+)
 from titan_upipe.plan.documents import documents_note, mask_build_bytes, segments_build_bytes
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.loss import loss_terms
@@ -129,8 +136,12 @@ class StepWalk:
         s, job, m, u = self.sizes, self.job, self.sizes.model, self.sizes.hidden
         n = m.n_layers
         out_grads = grad_shards(s, m.output_params)
-        inside = block_backward_moments(s, self.attention)
-        for i in sorted({n - 1, max(n - 2, 0), 0}, reverse=True):
+        # the last blocks (most resident inputs), the lowest block that prefetches (most gradients
+        # with a prefetched input, block 1 without resident blocks) and block 0 (most gradients)
+        lowest_resident = min(max(n - job.resident_blocks, 0), n - 1)
+        for i in sorted({n - 1, max(n - 2, 0), lowest_resident, min(1, n - 1), 0}, reverse=True):
+            prefetch = prefetches(job, i, n)
+            inside = block_backward_moments(s, self.attention, prefetch)
             grads = out_grads + (n - 1 - i) * grad_shards(s, m.block_params)
             below = self.below(i)
             if job.ac_mode == "none" and i == 0:
@@ -140,7 +151,7 @@ class StepWalk:
                 self.add("backward", f"block {i} backward: {moment.where}", terms,
                          (f"block {i}", moment.activations), ("", moment.unsharded_grads))
             if s.fsdp > 1:
-                self.reduce_scatter(i, grads)
+                self.reduce_scatter(i, grads, prefetch)
         grads = out_grads + n * grad_shards(s, m.block_params)
         terms = state_terms(s, grads)
         terms[Term.GRAD_EMBEDDING_OUT] = u
@@ -150,10 +161,13 @@ class StepWalk:
             terms[Term.FSDP_REDUCE_HELD] = m.block_params * s.reduce_bytes
         self.add("backward", "embedding backward", terms)
 
-    def reduce_scatter(self, i: int, grads: int) -> None:
-        """Block ``i``'s post-backward: its gradients reduce-scattered while the next block is fetched."""
+    def reduce_scatter(self, i: int, grads: int, prefetch: bool) -> None:
+        """Block ``i``'s post-backward: its gradients reduce-scattered while the next block is fetched
+        (its parameters, and with ``prefetch`` its offloaded input)."""
         s, m = self.sizes, self.sizes.model
         terms = {**state_terms(s, grads), **(self.below(i) if i > 0 else {})}
+        if prefetch:
+            terms[Term.PREFETCHED_INPUT] = s.hidden
         prev = m.block_params if i > 0 else m.embedding_params
         terms[Term.FSDP_GATHER_NEXT] = prev * s.weight_bytes
         terms[Term.FSDP_BLOCK_GRADS] = m.block_params * s.weight_bytes

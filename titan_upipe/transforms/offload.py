@@ -13,7 +13,7 @@ peak of a block's backward at long context) has finished: one hidden state less 
 transfer the next block's backward may wait for (a block's backward takes far longer than the
 copy at millions of tokens). With ``resident_blocks = K`` the last K blocks keep their input on
 the device (plain full AC for them): backward needs those first, so they cost device memory only
-from their forward to their backward, never at block 0's backward peak, and save K inputs of
+from their forward to their backward, never at the backward peak (blocks 0-1), and save K inputs of
 host memory (what bounds the longest context of a node when host memory runs out first).
 
 TorchTitan's Llama3 and Qwen3 blocks are checkpointed as two chained autograd Functions split at
@@ -60,6 +60,10 @@ class OffloadStats:
     host_bytes: int = 0
     peak_host_bytes: int = 0
     saved_tensors: int = 0
+    prefetched_bytes: int = 0
+    """Inputs whose copy on the compute device exists ahead of their block's backward (prefetched,
+    not yet fetched). On CPU the host tensor stands for that copy: the rank emulator counts these
+    bytes as device memory from the prefetch on, where a GPU would hold them."""
 
     def add(self, nbytes: int) -> None:
         self.host_bytes += nbytes
@@ -120,8 +124,13 @@ class OffloadedInput:
         OFFLOAD_STATS.add(self.nbytes)
 
     def prefetch(self) -> None:
-        """Start the host-to-device copy on the prefetch stream (CUDA; no-op on CPU and resident)."""
-        if self.device.type != "cuda" or self.fetched is not None or self.host is None or self.resident:
+        """Start the host-to-device copy on the prefetch stream (CUDA; on CPU only the accounting:
+        ``OFFLOAD_STATS.prefetched_bytes``; nothing for a resident input)."""
+        if self.fetched is not None or self.host is None or self.resident:
+            return
+        OFFLOAD_STATS.prefetched_bytes += self.nbytes
+        if self.device.type != "cuda":
+            self.fetched = (self.host, None)
             return
         _, prefetch_stream = self.streams.get()
         with torch.cuda.stream(prefetch_stream):
@@ -154,6 +163,8 @@ class OffloadedInput:
             on_device.record_stream(torch.cuda.current_stream())
         else:
             on_device = self.host
+        if self.fetched is not None:
+            OFFLOAD_STATS.prefetched_bytes -= self.nbytes
         self.host = self.fetched = None
         if not self.resident:
             OFFLOAD_STATS.remove(self.nbytes)
