@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "parallel", "attention", "transforms", "memory_tracker", "host_adamw"),
+    "core": ("errors", "parallel", "attention", "transforms", "tsp", "memory_tracker", "host_adamw"),
     "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
              "cp_inputs", "validator", "compile_parts", "optimizers",
              "cpu_runtime", "data", "job_assets", "registry", "plugin", "train", "config_parse"),

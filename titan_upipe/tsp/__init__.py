@@ -1,0 +1,23 @@
+"""TSP: tensor and sequence parallelism folded onto one mesh axis (``../shared/papers/001_*``).
+
+============== ==========================================================================
+module         holds
+============== ==========================================================================
+shards         ``TSPShards``: which heads / hidden units each rank owns, packing; degree checks
+collectives    differentiable broadcast, sequence all-gather and ring shift (fp32 adjoints);
+               ``CommLog``: bytes a rank receives
+comm           ``layer_comm_bytes`` (this implementation, exact) and the paper's eqs. 14-16
+attention      ``tsp_attention``: Algorithm 1 (packed-shard broadcast, K/V all-gather in
+               head buckets, zigzag causal attention, ``Y += A Wo^T``)
+mlp            ``tsp_gated_mlp``: Algorithm 2 (weight ring, local output accumulation)
+============== ==========================================================================
+"""
+
+from titan_upipe.tsp.attention import tsp_attention, zigzag_causal_attention
+from titan_upipe.tsp.collectives import CommLog
+from titan_upipe.tsp.comm import layer_comm_bytes, paper_layer_comm_bytes
+from titan_upipe.tsp.mlp import tsp_gated_mlp
+from titan_upipe.tsp.shards import TSPShards, check_tsp_degree, tsp_problems
+
+__all__ = ["CommLog", "TSPShards", "check_tsp_degree", "layer_comm_bytes", "paper_layer_comm_bytes", "tsp_attention",
+           "tsp_gated_mlp", "tsp_problems", "zigzag_causal_attention"]

@@ -1,0 +1,139 @@
+"""Differentiable collectives of a TSP group, each with its adjoint as the backward.
+
+=======================  ===========================================  ==================================
+forward                  backward (the adjoint)                       cross-rank sum
+=======================  ===========================================  ==================================
+broadcast from ``r``     reduce of every rank's gradient to ``r``     fp32
+all-gather along ``S``   reduce-scatter (all-to-all + local sum)      fp32
+ring shift ``p -> p+1``  ring shift ``p+1 -> p`` of the gradient      none (a move, not a sum)
+=======================  ===========================================  ==================================
+
+Gradients are summed in fp32 and cast back to the input's dtype once. The reduce-scatter is an
+all-to-all of the gradient's ``D`` chunks followed by a local fp32 sum: the same bytes on the wire
+as a reduce-scatter, and gloo (the CPU tests' backend) has no reduce-scatter.
+
+A :class:`CommLog` passed in counts the bytes this rank *receives* per collective kind (a
+broadcast's source and a reduce's non-roots receive nothing), forward and backward apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class CommLog:
+    """Bytes received by this rank, by ``(phase, kind)``: phase ``forward``/``backward``; kind
+    ``broadcast``, ``reduce``, ``all_gather``, ``reduce_scatter``, ``ring``."""
+
+    received: Counter = field(default_factory=Counter)
+
+    def add(self, phase: str, kind: str, nbytes: int) -> None:
+        self.received[(phase, kind)] += nbytes
+
+    def total(self, phase: str | None = None) -> int:
+        return sum(n for (p, _), n in self.received.items() if phase in (None, p))
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _log(log: CommLog | None, phase: str, kind: str, nbytes: int) -> None:
+    if log is not None:
+        log.add(phase, kind, nbytes)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _BroadcastFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: Tensor, src: int, group: dist.ProcessGroup, log: CommLog | None) -> Tensor:
+        ctx.src, ctx.group, ctx.dtype, ctx.log = src, group, local.dtype, log
+        ctx.is_src = dist.get_rank(group) == src
+        buffer = local.detach().clone() if ctx.is_src else torch.empty_like(local)
+        dist.broadcast(buffer, src=dist.get_global_rank(group, src), group=group)
+        _log(log, "forward", "broadcast", 0 if ctx.is_src else _nbytes(buffer))
+        return buffer
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        summed = grad.float().contiguous()
+        dist.reduce(summed, dst=dist.get_global_rank(ctx.group, ctx.src), op=dist.ReduceOp.SUM, group=ctx.group)
+        others = dist.get_world_size(ctx.group) - 1
+        _log(ctx.log, "backward", "reduce", others * _nbytes(summed) if ctx.is_src else 0)
+        return (summed.to(ctx.dtype) if ctx.is_src else None), None, None, None
+
+
+def broadcast_from(local: Tensor, src: int, group: dist.ProcessGroup | None, log: CommLog | None = None) -> Tensor:
+    """Rank ``src``'s ``local`` on every rank (same shape on all); its gradient is summed at ``src``."""
+    if _size(group) == 1:
+        return local
+    return _BroadcastFrom.apply(local, src, group, log)
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: Tensor, group: dist.ProcessGroup, log: CommLog | None) -> Tensor:
+        ctx.group, ctx.log = group, log
+        local = local.contiguous()
+        size = dist.get_world_size(group)
+        gathered = torch.empty((size, *local.shape), dtype=local.dtype, device=local.device)
+        dist.all_gather(list(gathered.unbind(0)), local, group=group)
+        _log(log, "forward", "all_gather", (size - 1) * _nbytes(local))
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        send = grad.float().contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ctx.group)  # chunk j to rank j: every rank's grad of my shard
+        _log(ctx.log, "backward", "reduce_scatter", _nbytes(send) - _nbytes(send[0]))
+        return recv.sum(dim=0).to(grad.dtype), None, None
+
+
+def all_gather_stacked(local: Tensor, group: dist.ProcessGroup | None, log: CommLog | None = None) -> Tensor:
+    """``[D, *local.shape]``: every rank's ``local`` in rank order; the gradient is reduce-scattered."""
+    if _size(group) == 1:
+        return local.unsqueeze(0)
+    return _AllGatherSequence.apply(local, group, log)
+
+
+def _shift(t: Tensor, group: dist.ProcessGroup, step: int) -> Tensor:
+    """Send ``t`` to rank ``p + step`` and receive from ``p - step`` (mod D)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + step) % size), group),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % size), group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, group: dist.ProcessGroup, log: CommLog | None) -> Tensor:
+        ctx.group, ctx.log = group, log
+        _log(log, "forward", "ring", _nbytes(t))
+        return _shift(t, group, +1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        _log(ctx.log, "backward", "ring", _nbytes(grad))
+        return _shift(grad, ctx.group, -1), None, None
+
+
+def ring_shift(t: Tensor, group: dist.ProcessGroup | None, log: CommLog | None = None) -> Tensor:
+    """The tensor of rank ``p - 1`` (mod D) on rank ``p``; the gradient travels the other way."""
+    if _size(group) == 1:
+        return t
+    return _RingShift.apply(t, group, log)

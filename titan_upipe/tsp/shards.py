@@ -1,0 +1,120 @@
+"""Which weights and heads each rank of a TSP group owns: pure arithmetic, no processes.
+
+TSP (``../shared/papers/001_*``) folds tensor and sequence parallelism onto one axis of ``D``
+ranks: rank ``p`` owns the zigzag sequence shard ``p`` and weight shard ``p`` of every block.
+
+=================  =====================================================  ==================
+tensor             rank ``p``'s shard (TorchTitan layout)                 rows x cols
+=================  =====================================================  ==================
+``wq``             rows of query heads ``[p H/D, (p+1) H/D)``             ``H/D·hd x d``
+``wk``, ``wv``     rows of KV heads ``[p K/D, (p+1) K/D)``                ``K/D·hd x d``
+``wo``             columns of the same query heads (packed as ``wo^T``)   ``d x H/D·hd``
+``w1``, ``w3``     rows ``[p F/D, (p+1) F/D)`` of the hidden units         ``F/D x d``
+``w2``             the same hidden units' columns (packed as ``w2^T``)     ``d x F/D``
+=================  =====================================================  ==================
+
+Contiguous head shards keep GQA local: query head ``h`` reads KV head ``h // g`` (``g = H/K``),
+and shard ``p``'s query heads ``[p H/D, (p+1) H/D)`` read exactly KV heads ``[p K/D, (p+1) K/D)``
+when ``D`` divides ``K`` (the paper's GQA note: K/V shard width ``h/(gD)``). Packed buffers stack
+the row blocks of one rank (``[wq | wk | wv | wo^T]``, ``[w1 | w3 | w2^T]``), all ``d`` wide, so
+one broadcast or one ring send moves a rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_upipe.errors import ConfigError
+
+Tensor = torch.Tensor
+
+
+def tsp_problems(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_len: int | None = None) -> list[str]:
+    """Every reason ``degree`` cannot be a TSP degree for this model (empty: valid), each with the fix."""
+    if degree < 1:
+        return [f"TSP degree must be >= 1, got {degree}"]
+
+    def fitting(n: int) -> str:
+        return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+
+    problems = []
+    if n_heads % degree:
+        problems.append(f"TSP degree {degree} does not divide the {n_heads} query heads (each rank owns H/D heads): "
+                        f"use one of {fitting(n_heads)}")
+    if n_kv_heads % degree:
+        problems.append(f"TSP degree {degree} does not divide the {n_kv_heads} KV heads (each rank owns K/D KV "
+                        f"heads, so GQA groups stay on one rank): use one of {fitting(n_kv_heads)}")
+    if ffn_dim % degree:
+        problems.append(f"TSP degree {degree} does not divide the FFN width {ffn_dim} (each rank owns F/D hidden "
+                        f"units of w1/w2/w3): use a divisor of {ffn_dim}")
+    if seq_len is not None and seq_len % (2 * degree):
+        problems.append(f"sequence length {seq_len} is not a multiple of 2 x TSP degree = {2 * degree} (zigzag: two "
+                        f"chunks per rank): use a multiple of {2 * degree}")
+    return problems
+
+
+def check_tsp_degree(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_len: int | None = None) -> None:
+    problems = tsp_problems(n_heads, n_kv_heads, ffn_dim, degree, seq_len)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class TSPShards:
+    """The shard sizes of one block for a TSP group of ``degree`` ranks (validated on creation)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    degree: int
+
+    def __post_init__(self) -> None:
+        check_tsp_degree(self.n_heads, self.n_kv_heads, self.ffn_dim, self.degree)
+
+    @property
+    def heads(self) -> int:
+        """Query heads per rank, ``H/D``."""
+        return self.n_heads // self.degree
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads per rank, ``K/D``."""
+        return self.n_kv_heads // self.degree
+
+    @property
+    def hidden(self) -> int:
+        """FFN hidden units per rank, ``F/D``."""
+        return self.ffn_dim // self.degree
+
+    @property
+    def attention_rows(self) -> tuple[int, int, int, int]:
+        """Rows of ``wq``, ``wk``, ``wv``, ``wo^T`` in the packed attention shard."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return q, kv, kv, q
+
+    @property
+    def mlp_rows(self) -> tuple[int, int, int]:
+        """Rows of ``w1``, ``w3``, ``w2^T`` in the packed MLP shard."""
+        return self.hidden, self.hidden, self.hidden
+
+    def pack_attention(self, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s packed ``[wq | wk | wv | wo^T]`` shard from the full TorchTitan weights."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return torch.cat([wq[rank * q:(rank + 1) * q], wk[rank * kv:(rank + 1) * kv], wv[rank * kv:(rank + 1) * kv],
+                          wo[:, rank * q:(rank + 1) * q].t()])
+
+    def pack_mlp(self, w1: Tensor, w2: Tensor, w3: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s packed ``[w1 | w3 | w2^T]`` shard from the full TorchTitan weights."""
+        f = self.hidden
+        return torch.cat([w1[rank * f:(rank + 1) * f], w3[rank * f:(rank + 1) * f], w2[:, rank * f:(rank + 1) * f].t()])
+
+    def unpack_attention(self, packed: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(wq, wk, wv, wo^T)`` row blocks of a packed attention shard (views)."""
+        return tuple(packed.split(self.attention_rows))  # type: ignore[return-value]
+
+    def unpack_mlp(self, packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(w1, w3, w2^T)`` row blocks of a packed MLP shard (views)."""
+        return tuple(packed.split(self.mlp_rows))  # type: ignore[return-value]
