@@ -30,6 +30,8 @@ def _toml_with(tmp_path, old: str, new: str) -> str:
 CASES = [
     ("converter-typo", UPIPE, ("--model.converters", "upipee"), 2,
      r"model.converters has unknown name\(s\) \['upipee'\]: valid values are .*; did you mean \"upipe\"\?$"),
+    ("tsp-not-yet", UPIPE, ("--model.converters", "tsp"), 2,
+     r"^model.converters 'tsp': TSP has no model converter yet \(issue 19; .*use one of ulysses, upipe, ring, usp$"),
     ("unknown-toml-key", lambda tmp: _toml_with(tmp, "steps = 30", "stesp = 30"), (), 2,
      r"job.toml: unknown key training.stesp: did you mean \"training.steps\"\?$"),
     ("unknown-flag", UPIPE, ("--trainin.steps", "3"), 2, r"^unknown option --trainin.steps: did you mean --training.steps\?$"),

@@ -232,6 +232,10 @@ def check_converter_names(converters: list[str]) -> None:
     """Names TorchTitan knows plus the plugin's own (known here whether or not
     ``registry.register_plugin`` has run yet)."""
     known = sorted({*model_converter._registry_model_converter_cls, *CP_MODES, *TRANSFORM_NAMES})
+    if "tsp" in converters:  # a name users read about in the docs: say what exists instead
+        raise ConfigError("model.converters 'tsp': TSP has no model converter yet (issue 19; its attention and MLP "
+                          "exist as titan_upipe.tsp, docs/tsp.md): for context parallelism use one of "
+                          f"{', '.join(CP_MODES)}")
     unknown = [name for name in converters if name not in known]
     if unknown:
         hints = [hint for name in unknown if (hint := did_you_mean(name, known))]
