@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from titan_upipe.plan import GIB, PlanInput, model_dims, parse_length, plan
+from titan_upipe.plan.search import longest_multiple
 
 GPU_BYTES, HOST_BYTES = 80 * GIB, 1900 * GIB
 Drop = Callable[[str, int], int]
@@ -36,14 +37,8 @@ def _fits(job: PlanInput, drop: Drop | None, host_per_rank: Callable[[PlanInput]
 
 
 def _longest(job: PlanInput, drop: Drop | None, host_per_rank) -> int:
-    """Doubling, then bisection over multiples of ``job.seq_unit`` (the peak grows with the length)."""
-    unit, lo, hi = job.seq_unit, 1, 2
-    while _fits(replace(job, seq_len=hi * unit), drop, host_per_rank):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if _fits(replace(job, seq_len=mid * unit), drop, host_per_rank) else (lo, mid)
-    return lo * unit
+    unit = job.seq_unit
+    return longest_multiple(lambda k: _fits(replace(job, seq_len=k * unit), drop, host_per_rank)) * unit
 
 
 def row(label: str, job: PlanInput, drop: Drop | None = None, host_per_rank=None) -> str:

@@ -7,6 +7,7 @@ Both rely on the peak growing with the sequence length (every activation term is
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import replace
 
 from titan_upipe.parallel.cp_layout import valid_heads_per_stage
@@ -14,30 +15,36 @@ from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.step import plan
 
 
-def max_seq_len(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | None = None,
-                limit: int = 1 << 30, above: int = 0) -> int:
-    """The longest multiple of ``job.seq_unit`` whose plan fits (0 if none does): doubling, then
-    bisection between the last length that fits and the first that does not. ``above``: only a
-    fit longer than this length matters (0 is returned at once when the next multiple does not fit)."""
-    unit = job.seq_unit
-
-    def fits(k: int) -> bool:
-        return plan(replace(job, seq_len=k * unit), host_mem_bytes).fits(gpu_mem_bytes, host_mem_bytes)
-
-    start = above // unit + 1
+def longest_multiple(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 30) -> int:
+    """The largest ``k`` in ``[start, limit]`` with ``fits(k)``, for a ``fits`` that holds up to some
+    ``k`` and fails beyond (0 when ``fits(start)`` fails): doubling, then bisection between the
+    last ``k`` that fits and the first that does not."""
     if not fits(start):
         return 0
     lo, hi = start, 2 * start
-    while hi * unit <= limit and fits(hi):
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, limit // unit + 1)
-    while hi - lo > 1:  # fits(lo), not fits(hi): the peak grows with the length
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo * unit
+    return lo
+
+
+def max_seq_len(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | None = None,
+                limit: int = 1 << 30, above: int = 0) -> int:
+    """The longest multiple of ``job.seq_unit`` whose plan fits (0 if none does; the peak grows
+    with the length, so ``longest_multiple`` applies). ``above``: only a fit longer than this
+    length matters (0 is returned at once when the next multiple does not fit)."""
+    unit = job.seq_unit
+
+    def fits(k: int) -> bool:
+        return plan(replace(job, seq_len=k * unit), host_mem_bytes).fits(gpu_mem_bytes, host_mem_bytes)
+
+    return longest_multiple(fits, start=above // unit + 1, limit=limit // unit) * unit
 
 
 LEVERS: dict[str, tuple[str, tuple]] = {

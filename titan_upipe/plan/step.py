@@ -2,9 +2,8 @@
 
 Moments: the embedding, the forward of the first and last block (the last has the most below
 it), the loss forward and backward, the backward of the last, second-to-last, lowest resident,
-second and first block
-(recomputation, MLP, ffn_norm, attention, the block's reduce-scatter), the embedding backward
-and the AdamW step (with packed documents also the mask's build and its segments' at block 0).
+second and first block (recomputation, MLP, ffn_norm, attention, the block's reduce-scatter),
+the embedding backward and the AdamW step (with packed documents also the mask's build and its segments' at block 0).
 Each moment is the state, FSDP's buffers, the activations kept by the blocks below (``below``)
 and the terms of what runs; the peak is the largest total.
 """

@@ -91,16 +91,14 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
     shard (``TSPShards.pack_attention``); ``positions`` ``[1 or B, S/D]``: the tokens' global
     positions (``layout.positions(rank)``); ``bucket_kv_heads``: KV heads per all-gather (default:
     all of a shard's, one all-gather per owner); ``log``: counts the bytes this rank receives."""
-    degree = shards.degree
     rank = 0 if group is None else dist.get_rank(group)
     b, local_len, _ = x.shape
     hd, kv_per_rank, group_size = shards.head_dim, shards.kv_heads, shards.n_heads // shards.n_kv_heads
     bucket = bucket_kv_heads or kv_per_rank
     if kv_per_rank % bucket:
         raise ValueError(f"bucket of {bucket} KV heads does not divide the {kv_per_rank} KV heads per rank")
-    order = torch.argsort(torch.cat([layout.positions(r, device=x.device) for r in range(degree)]))
     y = None
-    for owner in range(degree):
+    for owner in range(shards.degree):
         wq, wk, wv, wo_t = shards.unpack_attention(broadcast_from(packed, owner, group, log))
         q = F.linear(x, wq).view(b, local_len, shards.heads, hd)
         k = F.linear(x, wk).view(b, local_len, kv_per_rank, hd)
@@ -113,7 +111,7 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
         for start in range(0, kv_per_rank, bucket):
             kv = torch.stack([k[:, :, start:start + bucket], v[:, :, start:start + bucket]])  # [2, B, L, bk, hd]
             gathered = all_gather_stacked(kv, group, log)  # [D, 2, B, L, bk, hd]: rank r's zigzag shard at r
-            natural = gathered.permute(1, 2, 0, 3, 4, 5).flatten(2, 3).index_select(2, order)  # [2, B, S, bk, hd]
+            natural = layout.unshard(gathered.unbind(0), seq_dim=2)  # [2, B, S, bk, hd] in sequence order
             k_all, v_all = (t.transpose(1, 2) for t in natural.unbind(0))  # [B, bk, S, hd]
             heads = slice(start * group_size, (start + bucket) * group_size)
             outs.append(zigzag_causal_attention(q[:, :, heads].transpose(1, 2), k_all, v_all, layout, rank,
