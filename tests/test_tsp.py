@@ -131,7 +131,7 @@ def _block_on_rank(rank, world, group, model, n_heads, n_kv, dtype_name, bucket,
             errors[f"d{name}"] = _rel_err(summed, ref[f"d{name}.weight"])
 
     if sabotage == "ring":  # every rank applies its own MLP shard D times: the test must see it
-        original, tsp_mlp.ring_shift = tsp_mlp.ring_shift, lambda t, g, log=None: t
+        original, tsp_mlp.shift = tsp_mlp.shift, lambda t, group, step: t
     try:
         packed_mlp = shards.pack_mlp(ffn.w1.weight, ffn.w2.weight, ffn.w3.weight, rank).detach().to(dtype)
         packed_mlp.requires_grad_(True)
@@ -140,7 +140,7 @@ def _block_on_rank(rank, world, group, model, n_heads, n_kv, dtype_name, bucket,
         y_mlp.backward(local(grad_y).to(dtype))
     finally:
         if sabotage == "ring":
-            tsp_mlp.ring_shift = original
+            tsp_mlp.shift = original
     expected_mlp = shards.pack_mlp(ref_mlp["dw1.weight"], ref_mlp["dw2.weight"], ref_mlp["dw3.weight"], rank)
     errors.update({"mlp out": _rel_err(y_mlp, local(ref_mlp["out"])), "mlp dx": _rel_err(x_mlp.grad, local(ref_mlp["dx"])),
                    "mlp dW (owner)": _rel_err(packed_mlp.grad, expected_mlp)})

@@ -4,12 +4,13 @@
 module         holds
 ============== ==========================================================================
 shards         ``TSPShards``: which heads / hidden units each rank owns, packing; degree checks
-collectives    differentiable broadcast, sequence all-gather and ring shift (fp32 adjoints);
+collectives    differentiable broadcast and sequence all-gather (fp32 adjoints), the ring's shift;
                ``CommLog``: bytes a rank receives
 comm           ``layer_comm_bytes`` (this implementation, exact) and the paper's eqs. 14-16
 attention      ``tsp_attention``: Algorithm 1 (packed-shard broadcast, K/V all-gather in
                head buckets, zigzag causal attention, ``Y += A Wo^T``)
-mlp            ``tsp_gated_mlp``: Algorithm 2 (weight ring, local output accumulation)
+mlp            ``tsp_gated_mlp``: Algorithm 2 (weight ring, local output accumulation; fp32
+               gradients travel the ring back)
 ============== ==========================================================================
 """
 

@@ -5,8 +5,10 @@ forward                  backward (the adjoint)                       cross-rank
 =======================  ===========================================  ==================================
 broadcast from ``r``     reduce of every rank's gradient to ``r``     fp32
 all-gather along ``S``   reduce-scatter (all-to-all + local sum)      fp32
-ring shift ``p -> p+1``  ring shift ``p+1 -> p`` of the gradient      none (a move, not a sum)
 =======================  ===========================================  ==================================
+
+``shift`` (send to ``p + step``, receive from ``p - step``) is the MLP ring's move; the ring MLP's
+own backward (``tsp.mlp``) sends its fp32 gradient accumulator the other way.
 
 Gradients are summed in fp32 and cast back to the input's dtype once. The reduce-scatter is an
 all-to-all of the gradient's ``D`` chunks followed by a local fp32 sum: the same bytes on the wire
@@ -41,13 +43,13 @@ class CommLog:
         return sum(n for (p, _), n in self.received.items() if phase in (None, p))
 
 
-def _nbytes(t: Tensor) -> int:
+def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _log(log: CommLog | None, phase: str, kind: str, nbytes: int) -> None:
+def record(log: CommLog | None, phase: str, kind: str, count: int) -> None:
     if log is not None:
-        log.add(phase, kind, nbytes)
+        log.add(phase, kind, count)
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -61,7 +63,7 @@ class _BroadcastFrom(torch.autograd.Function):
         ctx.is_src = dist.get_rank(group) == src
         buffer = local.detach().clone() if ctx.is_src else torch.empty_like(local)
         dist.broadcast(buffer, src=dist.get_global_rank(group, src), group=group)
-        _log(log, "forward", "broadcast", 0 if ctx.is_src else _nbytes(buffer))
+        record(log, "forward", "broadcast", 0 if ctx.is_src else nbytes(buffer))
         return buffer
 
     @staticmethod
@@ -69,7 +71,7 @@ class _BroadcastFrom(torch.autograd.Function):
         summed = grad.float().contiguous()
         dist.reduce(summed, dst=dist.get_global_rank(ctx.group, ctx.src), op=dist.ReduceOp.SUM, group=ctx.group)
         others = dist.get_world_size(ctx.group) - 1
-        _log(ctx.log, "backward", "reduce", others * _nbytes(summed) if ctx.is_src else 0)
+        record(ctx.log, "backward", "reduce", others * nbytes(summed) if ctx.is_src else 0)
         return (summed.to(ctx.dtype) if ctx.is_src else None), None, None, None
 
 
@@ -88,7 +90,7 @@ class _AllGatherSequence(torch.autograd.Function):
         size = dist.get_world_size(group)
         gathered = torch.empty((size, *local.shape), dtype=local.dtype, device=local.device)
         dist.all_gather(list(gathered.unbind(0)), local, group=group)
-        _log(log, "forward", "all_gather", (size - 1) * _nbytes(local))
+        record(log, "forward", "all_gather", (size - 1) * nbytes(local))
         return gathered
 
     @staticmethod
@@ -96,7 +98,7 @@ class _AllGatherSequence(torch.autograd.Function):
         send = grad.float().contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ctx.group)  # chunk j to rank j: every rank's grad of my shard
-        _log(ctx.log, "backward", "reduce_scatter", _nbytes(send) - _nbytes(send[0]))
+        record(ctx.log, "backward", "reduce_scatter", nbytes(send) - nbytes(send[0]))
         return recv.sum(dim=0).to(grad.dtype), None, None
 
 
@@ -107,7 +109,7 @@ def all_gather_stacked(local: Tensor, group: dist.ProcessGroup | None, log: Comm
     return _AllGatherSequence.apply(local, group, log)
 
 
-def _shift(t: Tensor, group: dist.ProcessGroup, step: int) -> Tensor:
+def shift(t: Tensor, group: dist.ProcessGroup, step: int) -> Tensor:
     """Send ``t`` to rank ``p + step`` and receive from ``p - step`` (mod D)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     t = t.contiguous()
@@ -117,23 +119,3 @@ def _shift(t: Tensor, group: dist.ProcessGroup, step: int) -> Tensor:
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     return out
-
-
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: Tensor, group: dist.ProcessGroup, log: CommLog | None) -> Tensor:
-        ctx.group, ctx.log = group, log
-        _log(log, "forward", "ring", _nbytes(t))
-        return _shift(t, group, +1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        _log(ctx.log, "backward", "ring", _nbytes(grad))
-        return _shift(grad, ctx.group, -1), None, None
-
-
-def ring_shift(t: Tensor, group: dist.ProcessGroup | None, log: CommLog | None = None) -> Tensor:
-    """The tensor of rank ``p - 1`` (mod D) on rank ``p``; the gradient travels the other way."""
-    if _size(group) == 1:
-        return t
-    return _RingShift.apply(t, group, log)

@@ -1,10 +1,15 @@
 """TSP gated ring MLP (Algorithm 2 of ``../shared/papers/001_*``) on rank ``p``.
 
-``Y = sum_t (silu(X W1_t^T) * X W3_t^T) W2_t`` over the ``D`` shards, where ``W_t`` is the packed
-``[W1 | W3 | W2^T]`` shard of rank ``p - t`` (mod D): step ``t`` uses the shard received at step
-``t - 1`` from rank ``p - 1`` and sends it on to ``p + 1``. The sequence stays local and only
-weights move, so no activation all-reduce. Backward (autograd through ``ring_shift``'s adjoint)
-sends each step's weight gradient back around the ring, so every gradient ends at its owner.
+Forward: ``Y = sum_t (silu(X W1_t^T) * X W3_t^T) W2_t`` over the ``D`` shards, where ``W_t`` is the
+packed ``[W1 | W3 | W2^T]`` shard of rank ``p - t`` (mod D): step ``t`` uses the shard received at
+step ``t - 1`` from rank ``p - 1``. The sequence stays local and only weights move, so no
+activation all-reduce; ``Y`` is summed over the steps in fp32.
+
+Backward walks the steps in reverse with an fp32 gradient accumulator that travels the ring the
+other way: at step ``t`` rank ``p`` adds its tokens' gradient of shard ``p - t`` and sends the sum to
+``p - 1``, which holds that shard at step ``t - 1``; after step 0 every rank holds the whole
+gradient of its own shard (``D - 1`` fp32 sends). ``dX`` sums the steps in fp32. Saved per step:
+the shard and the two ``[B, S/D, F/D]`` projections (what autograd would save).
 """
 
 from __future__ import annotations
@@ -13,22 +18,60 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from titan_upipe.tsp.collectives import CommLog, ring_shift
+from titan_upipe.tsp.collectives import CommLog, nbytes, record, shift
 from titan_upipe.tsp.shards import TSPShards
 
 Tensor = torch.Tensor
 
 
+class _RingMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, packed: Tensor, shards: TSPShards, group: dist.ProcessGroup | None,
+                log: CommLog | None) -> Tensor:
+        ctx.shards, ctx.group, ctx.log, ctx.dtype = shards, group, log, packed.dtype
+        shard, saved, y = packed.detach(), [], None
+        for step in range(shards.degree):
+            if step:
+                record(log, "forward", "ring", nbytes(shard))
+                shard = shift(shard, group, +1)
+            w1, w3, w2_t = shards.unpack_mlp(shard)
+            gate, up = F.linear(x, w1), F.linear(x, w3)
+            contribution = ((F.silu(gate) * up) @ w2_t).float()
+            y = contribution if y is None else y + contribution
+            saved += [shard, gate, up]
+        ctx.save_for_backward(x, *saved)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, *saved = ctx.saved_tensors
+        shards, group = ctx.shards, ctx.group
+        tokens = x.reshape(-1, x.shape[-1])
+        dy_rows = dy.reshape(-1, dy.shape[-1])
+        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        grad = None  # fp32 gradient of the shard held at this step, summed over the ranks that held it before
+        for step in reversed(range(shards.degree)):
+            shard, gate, up = saved[3 * step:3 * step + 3]
+            w1, w3, w2_t = shards.unpack_mlp(shard)
+            activated = F.silu(gate)
+            d_hidden = dy @ w2_t.t()
+            d_gate = torch.ops.aten.silu_backward(d_hidden * up, gate)
+            d_up = d_hidden * activated
+            dx += (d_gate @ w1 + d_up @ w3).float()
+            local = torch.cat([d_gate.reshape(-1, d_gate.shape[-1]).t() @ tokens,
+                               d_up.reshape(-1, d_up.shape[-1]).t() @ tokens,
+                               (activated * up).reshape(-1, up.shape[-1]).t() @ dy_rows]).float()
+            grad = local if grad is None else grad + local
+            if step:
+                record(ctx.log, "backward", "ring", nbytes(grad))
+                grad = shift(grad, group, -1)
+        return dx.to(x.dtype), grad.to(ctx.dtype), None, None, None
+
+
 def tsp_gated_mlp(x: Tensor, packed: Tensor, shards: TSPShards, group: dist.ProcessGroup | None,
                   log: CommLog | None = None) -> Tensor:
     """``Y [B, S/D, d]`` for this rank's tokens ``x [B, S/D, d]``; ``packed``: its ``[W1 | W3 | W2^T]``
-    shard (``TSPShards.pack_mlp``)."""
-    y = None
-    shard = packed
-    for step in range(shards.degree):
-        if step:
-            shard = ring_shift(shard, group, log)
-        w1, w3, w2_t = shards.unpack_mlp(shard)
-        contribution = ((F.silu(F.linear(x, w1)) * F.linear(x, w3)) @ w2_t).float()  # summed in fp32
-        y = contribution if y is None else y + contribution
-    return y.to(x.dtype)
+    shard (``TSPShards.pack_mlp``); ``log``: counts the bytes this rank receives."""
+    if shards.degree > 1 and group is None:
+        raise ValueError(f"a TSP degree of {shards.degree} needs its process group")
+    return _RingMLP.apply(x, packed, shards, group, log)
