@@ -21,32 +21,40 @@ Drop = Callable[[str, int], int]
 """(term label, bytes) -> the bytes a what-if removes from that term."""
 
 
-def _peak(job: PlanInput, drop: Drop | None) -> tuple[int, int, str]:
-    """(device peak, host bytes per node, where) with ``drop`` applied to every moment."""
+HostPerRank = Callable[[PlanInput], int]
+"""job -> bytes per rank a what-if moves to the host."""
+
+
+def _measure(job: PlanInput, drop: Drop | None, host_per_rank: HostPerRank | None) -> tuple[int, int, str]:
+    """(device peak, host bytes per node, where) with ``drop`` applied to every moment and
+    ``host_per_rank`` added on the host."""
     result = plan(job, HOST_BYTES)
     totals = [(m.total - (sum(drop(k, v) for k, v in m.terms.items()) if drop else 0), m.where)
               for m in result.moments]
     peak, where = max(totals)
-    return peak, result.host_bytes, where
+    host = result.host_bytes + (host_per_rank(job) * min(job.ranks, job.gpus_per_node) if host_per_rank else 0)
+    return peak, host, where
 
 
-def _fits(job: PlanInput, drop: Drop | None, host_per_rank: Callable[[PlanInput], int] | None) -> bool:
-    peak, host, _ = _peak(job, drop)
-    host += host_per_rank(job) * min(job.ranks, job.gpus_per_node) if host_per_rank else 0
+def _fits(job: PlanInput, peak: int, host: int) -> bool:
     return peak + job.reserve <= GPU_BYTES and host <= HOST_BYTES
 
 
-def _longest(job: PlanInput, drop: Drop | None, host_per_rank) -> int:
+def _longest(job: PlanInput, drop: Drop | None, host_per_rank: HostPerRank | None) -> int:
     unit = job.seq_unit
-    return longest_multiple(lambda k: _fits(replace(job, seq_len=k * unit), drop, host_per_rank)) * unit
+
+    def fits(k: int) -> bool:
+        longer = replace(job, seq_len=k * unit)
+        peak, host, _ = _measure(longer, drop, host_per_rank)
+        return _fits(longer, peak, host)
+
+    return longest_multiple(fits) * unit
 
 
-def row(label: str, job: PlanInput, drop: Drop | None = None, host_per_rank=None) -> str:
-    peak, host, where = _peak(job, drop)
-    host += host_per_rank(job) * min(job.ranks, job.gpus_per_node) if host_per_rank else 0
-    fits = _fits(job, drop, host_per_rank)
+def row(label: str, job: PlanInput, drop: Drop | None = None, host_per_rank: HostPerRank | None = None) -> str:
+    peak, host, where = _measure(job, drop, host_per_rank)
     longest = _longest(job, drop, host_per_rank)
-    return (f"| {label} | {peak / GIB:.2f} | {host / GIB:.1f} | {'yes' if fits else 'no'} | "
+    return (f"| {label} | {peak / GIB:.2f} | {host / GIB:.1f} | {'yes' if _fits(job, peak, host) else 'no'} | "
             f"{longest / 2**20:.2f}M ({longest}) | {where} |")
 
 
@@ -67,7 +75,8 @@ def main() -> None:
         print(row("what-if one receive buffer", job, lambda k, v: v * 2 // 3 if "receive buffers" in k else 0))
         print(row("what-if no fp32 dK/dV sums", job, lambda k, v: v if "fp32 sums" in k else 0))
         print(row("what-if AdamW + fp32 parameters on the host", job,
-                  lambda k, v: v if k.startswith(("AdamW", "parameters")) else 0, lambda j: 12 * j.model.total_params // j.ranks))
+                  lambda k, v: v if k.startswith(("AdamW", "parameters")) else 0,
+                  lambda j: 12 * j.model.total_params // j.ranks))
         print(row("what-if AdamW + parameters + gradient shards on the host", job,
                   lambda k, v: v if k.startswith(("AdamW", "parameters", "gradients")) else 0,
                   lambda j: 16 * j.model.total_params // j.ranks))

@@ -39,9 +39,6 @@ class CommLog:
     def add(self, phase: str, kind: str, nbytes: int) -> None:
         self.received[(phase, kind)] += nbytes
 
-    def total(self, phase: str | None = None) -> int:
-        return sum(n for (p, _), n in self.received.items() if phase in (None, p))
-
 
 def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()

@@ -102,7 +102,7 @@ class TSPShards:
 
     def pack_attention(self, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rank: int) -> Tensor:
         """Rank ``rank``'s packed ``[wq | wk | wv | wo^T]`` shard from the full TorchTitan weights."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, kv, _, _ = self.attention_rows
         return torch.cat([wq[rank * q:(rank + 1) * q], wk[rank * kv:(rank + 1) * kv], wv[rank * kv:(rank + 1) * kv],
                           wo[:, rank * q:(rank + 1) * q].t()])
 
