@@ -32,6 +32,7 @@ METHODS = {
     "ring": "ring",
     "usp": "usp",
     "upipe_usp": "upipe",  # UPipe on a 2-D (ring x ulysses) mesh
+    "tsp": "tsp",
 }
 
 
@@ -49,6 +50,7 @@ LLAMA3_8B = Model("upipe_llama3", "8B", "./assets/hf/Llama-3.1-8B", "Llama3-8B",
 QWEN3_32B = Model("upipe_qwen3", "32B", "./assets/hf/Qwen3-32B", "Qwen3-32B", n_layers=64, dim=5120)
 LLAMA3_DEBUG = Model("upipe_llama3", "debug", "", "llama3 debug")
 QWEN3_DEBUG = Model("upipe_qwen3", "debug", "", "qwen3 debug")
+LLAMA3_DEBUG_KV4 = Model("upipe_llama3", "debug_kv4", "", "llama3 debug_kv4 (8 / 4 heads)")
 LLAMA3_DEBUG_DOCS = Model("upipe_llama3", "debug_flex", "", "llama3 debug_flex (block_causal)")
 
 GPU_DATA = ["./data/train/**/*.jsonl"]
@@ -144,6 +146,8 @@ def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
         if recipe.ulysses_degree:
             upipe["ulysses_degree"] = recipe.ulysses_degree
         result["upipe"] = upipe
+    if recipe.method == "tsp":
+        result["tsp"] = {"kv_heads_per_bucket": 0, "overlap": True}
     if any(t in converters for t in ("tiled_mlp", "tiled_rmsnorm", "fused_ce")):
         result["transforms"] = {"mlp_tile_tokens": 0, "rmsnorm_tile_tokens": 0, "ce_chunk_tokens": 0,
                                 "ce_backend": "auto"}
@@ -244,6 +248,8 @@ def debug_recipes() -> list[Recipe]:
         debug("configs/debug/usp.toml", LLAMA3_DEBUG, "usp", 4, "llama3 debug, USP ulysses 2 x ring 2", ulysses=2),
         debug("configs/debug/upipe_usp.toml", LLAMA3_DEBUG, "upipe_usp", 4,
               "llama3 debug, UPipe inside USP: ulysses 2 x ring 2, U = 2", ulysses=2),
+        debug("configs/debug/tsp.toml", LLAMA3_DEBUG_KV4, "tsp", 4,
+              "llama3 debug_kv4, TSP over 4 ranks (weights and sequence sharded)"),
     ]
     return four_rank + [
         debug("configs/debug/llama3_fsdp.toml", LLAMA3_DEBUG, None, 2, "llama3 debug, FSDP over 2 ranks"),

@@ -128,3 +128,32 @@ def test_packed_document_tokens_and_runs():
     # EOS at 0, S/3 + b, S/3 + b + 1, 2S/3 + 1 - b: each ends its document
     assert document_runs(tokens, 9) == [[(0, 1), (1, 5), (5, 6), (6, 10), (10, 12)],
                                         [(0, 1), (1, 6), (6, 7), (7, 9), (9, 12)]]
+
+
+TSP_CONFIG = "configs/debug/tsp.toml"  # llama3 debug_kv4 (8 / 4 heads), tsp over context_parallel_degree ranks
+
+
+def _check_tsp(rank, world, mesh, overrides, flip_tokens):
+    """The check of ``tsp`` on ``world`` ranks; ``flip_tokens``: the shards' tokens come from the
+    reversed sequence (their positions right), which the check must catch."""
+    import titan_upipe.parallel as parallel
+    from titan_upipe.check import run_check
+
+    real = parallel.shard_sequence
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if flip_tokens:
+        parallel.shard_sequence = lambda t, cp_mesh, seq_dim: real(t.flip(seq_dim), cp_mesh, seq_dim)
+    try:
+        return run_check(["--job.config_file", str(REPO / TSP_CONFIG), "--seq-len", "32",
+                          "--parallelism.context_parallel_degree", str(world), *overrides])
+    finally:
+        parallel.shard_sequence = real
+
+
+def test_parity_check_tsp():
+    """TSP (weights DTensor-sharded over the ranks, gradients gathered from their owners) equals one
+    device: GQA 8 / 4 on 4 ranks, MHA on 2, Qwen3 (qk-norm, GQA 8 / 2) on 2; a wrong layout fails."""
+    assert run_distributed(4, _check_tsp, (), False) == [0] * 4
+    assert run_distributed(2, _check_tsp, ("--model.flavor", "debug_mha"), False) == [0, 0]
+    assert run_distributed(2, _check_tsp, ("--model.name", "upipe_qwen3", "--model.flavor", "debug"), False) == [0, 0]
+    assert run_distributed(2, _check_tsp, (), True) == [1, 1]

@@ -30,8 +30,15 @@ def _toml_with(tmp_path, old: str, new: str) -> str:
 CASES = [
     ("converter-typo", UPIPE, ("--model.converters", "upipee"), 2,
      r"model.converters has unknown name\(s\) \['upipee'\]: valid values are .*; did you mean \"upipe\"\?$"),
-    ("tsp-not-yet", UPIPE, ("--model.converters", "tsp"), 2,
-     r"^model.converters 'tsp': TSP has no model converter yet \(issue 19; .*use one of ulysses, upipe, ring, usp$"),
+    # tsp: every problem of the setting in one message (the llama3 debug flavor has 8 / 2 heads, FFN 384)
+    ("tsp-degree", str(REPO / "configs/debug/tsp.toml"),
+     ("--model.flavor", "debug", "--parallelism.context_parallel_degree", "4", "--model.converters",
+      "tsp,tiled_mlp"), 4,
+     r"^TSP degree 4 does not divide the 2 KV heads \(each rank owns K/D KV heads, .*use one of 1, 2; "
+     r"model.converters has 'tsp' and 'tiled_mlp': .*; remove 'tiled_mlp'$"),
+    ("tsp-data-parallel", str(REPO / "configs/debug/tsp.toml"), ("--parallelism.context_parallel_degree", "2"), 4,
+     r"^tsp shards the blocks' weights over the CP ranks; data parallelism on top .* "
+     r"\(world size = context_parallel_degree\)$"),
     ("unknown-toml-key", lambda tmp: _toml_with(tmp, "steps = 30", "stesp = 30"), (), 2,
      r"job.toml: unknown key training.stesp: did you mean \"training.steps\"\?$"),
     ("unknown-flag", UPIPE, ("--trainin.steps", "3"), 2, r"^unknown option --trainin.steps: did you mean --training.steps\?$"),

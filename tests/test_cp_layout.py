@@ -33,7 +33,7 @@ def test_each_mode_resolves_its_degrees_u_and_sequence_divisor(mode, cp, ulysses
 
 
 def test_mode_is_an_enum_and_the_only_list_of_modes():
-    assert CP_MODES == ("ulysses", "upipe", "ring", "usp")
+    assert CP_MODES == ("ulysses", "upipe", "ring", "usp", "tsp")
     assert CPLayout("upipe", 2).mode is CPMode.UPIPE
     assert cp_mode(["tiled_mlp", "usp"]) is CPMode.USP and cp_mode(["fused_ce"]) is None
 

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 LAYERS = {
     "core": ("errors", "parallel", "attention", "transforms", "tsp", "memory_tracker", "host_adamw"),
     "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
-             "cp_inputs", "validator", "compile_parts", "optimizers",
+             "cp_inputs", "validator", "compile_parts", "optimizers", "grad_norm",
              "cpu_runtime", "data", "job_assets", "registry", "plugin", "train", "config_parse"),
     "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_wheels", "paper_tables"),
 }

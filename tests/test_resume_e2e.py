@@ -3,7 +3,7 @@
 One reference run (UPipe CP=2, data parallel 1, global batch 2: ``conftest.upipe_text_job``)
 starts from a Hugging Face safetensors checkpoint, reads a local corpus and saves full
 checkpoints at steps 2 and 4. Resumed from its step 2 under the same layout, under zigzag ring
-attention (Ulysses 1 x ring 2), and as plain FSDP over 2 data-parallel ranks (CP 2 x DP 1 ->
+attention (Ulysses 1 x ring 2), under TSP (weights sharded over the 2 ranks), and as plain FSDP over 2 data-parallel ranks (CP 2 x DP 1 ->
 CP 1 x DP 2, the same global batch), each run's
 steps 3 and 4 must have the reference's losses: the same weights, optimizer state and samples.
 """
@@ -106,6 +106,9 @@ RESUMES = {
     "same-layout": ("configs/debug/llama3_upipe.toml", ("--training.local_batch_size", "2")),
     "ring": ("configs/debug/llama3_ring.toml", ("--training.local_batch_size", "2",
                                                 "--parallelism.context_parallel_degree", "2")),
+    # TSP: the FSDP checkpoint's weights and AdamW moments resharded onto the TSP weight shards (DCP)
+    "tsp": ("configs/debug/tsp.toml", ("--training.local_batch_size", "2", "--parallelism.context_parallel_degree", "2",
+                                       "--model.flavor", "debug")),
     # the same global batches: 2 ranks x 1 sequence (training and validation)
     "cp1-dp2": ("configs/debug/llama3_fsdp.toml", ("--training.local_batch_size", "1",
                                                    "--validation.local_batch_size", "1")),

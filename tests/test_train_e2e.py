@@ -67,12 +67,15 @@ CP_CASES = [
     ("configs/debug/llama3_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
     # UPipe inside USP: stages of U = 2 heads, each stage's attention a ring over 2
     ("configs/debug/llama3_upipe_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
+    # TSP: weights sharded over the 2 CP ranks (DTensors outside FSDP), zigzag tokens, GQA 8 / 2
+    ("configs/debug/tsp.toml", 2, 2, ("--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                                      "--model.flavor", "debug")),
 ]
 
 
 @pytest.mark.parametrize("config, ranks, cp, overrides", CP_CASES,
                          ids=["ring-cp2", "ulysses-cp2", "upipe-cp4", "upipe-cp2-dp2-u4", "usp-u2r2",
-                              "upipe-in-usp-u2r2"])
+                              "upipe-in-usp-u2r2", "tsp-cp2"])
 def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, llama3_two_ranks, tmp_path, config, ranks,
                                            cp, overrides):
     """Training and validation losses of every CP layout equal one rank's, and the counters

@@ -18,9 +18,11 @@ from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.layout import ZigzagLayout
 from titan_upipe.tsp import (
     CommLog,
+    Pending,
     TSPShards,
     check_tsp_degree,
     layer_comm_bytes,
+    pack_attention_shard,
     tsp_attention,
     tsp_gated_mlp,
     tsp_problems,
@@ -54,6 +56,32 @@ def test_packed_shards_cover_every_weight_once():
     mlp = [shards.unpack_mlp(shards.pack_mlp(w1, w2, w3, r)) for r in range(4)]
     assert torch.equal(torch.cat([m[0] for m in mlp]), w1) and torch.equal(torch.cat([m[1] for m in mlp]), w3)
     assert torch.equal(torch.cat([m[2] for m in mlp]).t(), w2)
+
+
+def _storage_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_packed_shard_gradients_are_the_parameters_own():
+    """Each weight's gradient from the packed shard is contiguous and its own storage: the grads
+    hold exactly the parameters' bytes (plain cat + transpose would hold the packed gradient plus
+    a copy of wo's, which this test tells apart)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(4, 3), torch.randn(2, 3), torch.randn(2, 3), torch.randn(3, 4)]  # wq, wk, wv, wo
+    grad = torch.randn(12, 3)
+    results = {}
+    for name, pack in (("packed", pack_attention_shard), ("plain", lambda q, k, v, o: torch.cat([q, k, v, o.t()]))):
+        params = [w.clone().requires_grad_(True) for w in weights]
+        pack(*params).backward(grad)
+        grads = [p.grad for p in params]
+        results[name] = grads
+        params_bytes = sum(p.numel() * p.element_size() for p in params)
+        if name == "packed":
+            assert all(g.is_contiguous() for g in grads) and _storage_bytes(grads) == params_bytes
+        else:  # what the packing function avoids
+            assert _storage_bytes(grads) > params_bytes
+    assert all(torch.equal(a, b) for a, b in zip(results["packed"], results["plain"], strict=True))
 
 
 # --- distributed ---------------------------------------------------------------------------------
@@ -131,7 +159,9 @@ def _block_on_rank(rank, world, group, model, n_heads, n_kv, dtype_name, bucket,
             errors[f"d{name}"] = _rel_err(summed, ref[f"d{name}.weight"])
 
     if sabotage == "ring":  # every rank applies its own MLP shard D times: the test must see it
-        original, tsp_mlp.shift = tsp_mlp.shift, lambda t, group, step: t
+        original = tsp_mlp.shift, tsp_mlp.start_shift
+        tsp_mlp.shift = lambda t, group, step: t
+        tsp_mlp.start_shift = lambda t, group, step: Pending(t, [])
     try:
         packed_mlp = shards.pack_mlp(ffn.w1.weight, ffn.w2.weight, ffn.w3.weight, rank).detach().to(dtype)
         packed_mlp.requires_grad_(True)
@@ -140,7 +170,7 @@ def _block_on_rank(rank, world, group, model, n_heads, n_kv, dtype_name, bucket,
         y_mlp.backward(local(grad_y).to(dtype))
     finally:
         if sabotage == "ring":
-            tsp_mlp.shift = original
+            tsp_mlp.shift, tsp_mlp.start_shift = original
     expected_mlp = shards.pack_mlp(ref_mlp["dw1.weight"], ref_mlp["dw2.weight"], ref_mlp["dw3.weight"], rank)
     errors.update({"mlp out": _rel_err(y_mlp, local(ref_mlp["out"])), "mlp dx": _rel_err(x_mlp.grad, local(ref_mlp["dx"])),
                    "mlp dW (owner)": _rel_err(packed_mlp.grad, expected_mlp)})
@@ -195,3 +225,68 @@ def test_tsp_block_matches_one_device(world):
             else:  # bf16: within twice the unconverted bf16 modules' own error (and bf16's epsilon)
                 for key, err in errors.items():
                     assert err <= max(2 * result["own"][key], 2 ** -7), (case, rank, key, err, result["own"])
+
+
+def _clip_across_meshes(rank, world, mesh):
+    import math
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titan_upipe.grad_norm import clip_grad_norm_
+
+    ring = mesh._unflatten(0, (world,), ("ring",))  # a second mesh over the same ranks, as tsp builds
+    full_a, full_b = torch.arange(8.0).reshape(4, 2), torch.full((6,), 3.0)
+    params = []
+    for full, on in ((full_a, mesh), (full_b, ring)):
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full), on, [Shard(0)]))
+        param.grad = distribute_tensor(full.clone(), on, [Shard(0)])
+        params.append(param)
+    plain = torch.nn.Parameter(torch.zeros(3))
+    plain.grad = torch.full((3,), 2.0)  # a replicated plain tensor: counted once
+    norm = clip_grad_norm_([*params, plain], max_norm=1.0, foreach=True)
+    expected = math.sqrt(float((full_a ** 2).sum() + (full_b ** 2).sum()) + 12.0)
+    scale = 1.0 / (expected + 1e-6)
+    return (abs(norm.item() - expected) < 1e-5 * expected
+            and torch.allclose(params[0].grad.full_tensor(), full_a * scale)
+            and torch.allclose(params[1].grad.full_tensor(), full_b * scale)
+            and torch.allclose(plain.grad, torch.full((3,), 2.0 * scale)))
+
+
+def test_gradient_clipping_across_the_fsdp_and_tsp_meshes():
+    """tsp's weights are DTensors on the TSP mesh, the rest FSDP's on another: one global norm over
+    both (TorchTitan's clip_grad_norm_ refuses to stack norms across meshes), every group scaled."""
+    assert run_distributed(2, _clip_across_meshes) == [True, True]
+
+
+def _overlap_changes_nothing(rank, world, mesh):
+    """TSP attention (2 KV-head buckets per owner) and MLP with the async prefetches on and off:
+    outputs and every gradient bitwise equal, and the same bytes received."""
+    torch.manual_seed(0)
+    seq, n_heads, n_kv = 16 * world, 8, 8
+    module, table = build_reference("llama3", n_heads, n_kv, max_seq_len=seq)
+    ffn = _feed_forward(module.wq.in_features, torch.float32)
+    layout = ZigzagLayout(seq, ring_size=world)
+    shards = TSPShards(n_heads=n_heads, n_kv_heads=n_kv, head_dim=HEAD_DIM, ffn_dim=ffn.w1.out_features, degree=world)
+    x = layout.shard(torch.randn(2, seq, module.wq.in_features), rank, seq_dim=1)
+    grad_y = torch.randn_like(x)
+    runs = []
+    for overlap in (False, True):
+        log = CommLog()
+        packed = shards.pack_attention(module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight,
+                                       rank).detach().requires_grad_(True)
+        packed_mlp = shards.pack_mlp(ffn.w1.weight, ffn.w2.weight, ffn.w3.weight, rank).detach().requires_grad_(True)
+        x_in = x.clone().requires_grad_(True)
+        y = tsp_attention(x_in, packed, shards, layout, mesh.get_group(), get_backend("sdpa", torch.float32),
+                          HEAD_DIM ** -0.5, table, layout.positions(rank)[None], RotaryKind.COMPLEX,
+                          bucket_kv_heads=1, log=log, overlap=overlap)
+        y = tsp_gated_mlp(y, packed_mlp, shards, mesh.get_group(), log=log, overlap=overlap)
+        y.backward(grad_y)
+        runs.append(([y.detach(), x_in.grad, packed.grad, packed_mlp.grad], dict(log.received)))
+    (off, off_bytes), (on, on_bytes) = runs
+    return all(torch.equal(a, b) for a, b in zip(off, on, strict=True)) and off_bytes == on_bytes
+
+
+def test_overlapped_collectives_change_no_number():
+    """The next owner's broadcast, the next bucket's K/V all-gather and the MLP ring's send/receive
+    started before the compute they overlap (async) give the synchronous run's numbers exactly."""
+    assert run_distributed(4, _overlap_changes_nothing) == [True] * 4

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed import ParallelDims
 
 # The package, not its functions: ``shard_sequence`` is looked up at call time, so a test can
@@ -107,7 +109,8 @@ def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents
     reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False,
                                  attn_type="sdpa" if documents else None)
     parallel = build_rank_model(job_config, parallel_dims, device, seed=seed, parallelize=False)
-    parallel.model.load_state_dict(reference.model.state_dict())
+    # A full state dict: plain parameters copied, DTensor ones (tsp's sharded weights) sliced.
+    set_model_state_dict(parallel.model, reference.model.state_dict(), options=StateDictOptions(full_state_dict=True))
     # Parameters in the compute dtype, as FSDP's mixed precision gives them to the model;
     # buffers (the RoPE tables) keep their own dtype, as in training.
     with torch.no_grad():
@@ -173,8 +176,11 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
     if setup.cp > 1:
         group = setup.parallel_dims.get_mesh("cp").get_group()  # all CP ranks (the layout mesh may be 2-D)
         dist.all_reduce(loss_sum, group=group)
-        for grad in grads.values():
-            dist.all_reduce(grad, group=group)
+        for name, grad in grads.items():
+            if isinstance(grad, DTensor):  # sharded weights (tsp): each shard's gradient is complete at its owner
+                grads[name] = grad.full_tensor()
+            else:  # replicated parameters: each CP rank holds its tokens' share
+                dist.all_reduce(grad, group=group)
         logits = sequence_layouts.gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
     else:
         logits = local_logits

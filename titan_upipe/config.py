@@ -18,7 +18,7 @@ from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
-           "OptimizerHostState", "Transforms", "UPipe"]
+           "OptimizerHostState", "TSP", "Transforms", "UPipe"]
 
 
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
@@ -65,6 +65,29 @@ class UPipe:
             self.ulysses_degree,
             "0 (all of CP) or a positive divisor of parallelism.context_parallel_degree",
         )
+
+
+@dataclass
+class TSP:
+    """Settings of the ``tsp`` converter (folded tensor and sequence parallelism, ``docs/tsp.md``);
+    its degree is ``parallelism.context_parallel_degree``, its kernel ``[upipe] attention_backend``."""
+
+    kv_heads_per_bucket: int = 0
+    """KV heads per K/V all-gather (the paper's head buckets): each all-gather moves this many KV
+    heads of the whole sequence, so the attention holds ``2 x bucket x head_dim`` values per token
+    of K/V at once. 0: all of a rank's ``n_kv_heads / D`` KV heads in one all-gather per owner.
+    Must divide ``n_kv_heads / D``."""
+
+    overlap: bool = True
+    """Start each transfer before the compute that does not need it: the next owner's weight
+    broadcast during this owner's attention, the next bucket's K/V all-gather during this bucket's,
+    the MLP ring's send/receive during the step's GEMMs (async collectives; the same numbers)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.overlap, bool), "tsp.overlap", self.overlap, "true or false")
+        _require(isinstance(self.kv_heads_per_bucket, int) and not isinstance(self.kv_heads_per_bucket, bool)
+                 and self.kv_heads_per_bucket >= 0, "tsp.kv_heads_per_bucket", self.kv_heads_per_bucket,
+                 "0 (all of a rank's KV heads) or a positive divisor of n_kv_heads / context_parallel_degree")
 
 
 def _require_tile(value: object, key: str) -> None:
@@ -157,6 +180,7 @@ class JobConfig:
 
     upipe: UPipe = field(default_factory=UPipe)
     transforms: Transforms = field(default_factory=Transforms)
+    tsp: TSP = field(default_factory=TSP)
     activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)
     local_data: LocalData = field(default_factory=LocalData)
     optimizer: OptimizerHostState = field(default_factory=OptimizerHostState)

@@ -1,6 +1,7 @@
 """The plugin's TorchTitan model converters (``model.converters``).
 
-* ``ulysses``, ``upipe``, ``ring``, ``usp``: context-parallel attention in every block. The mesh
+* ``ulysses``, ``upipe``, ``ring``, ``usp``: context-parallel attention in every block; ``tsp``:
+  attention and feed-forward of every block with their weights sharded over the CP ranks. The mesh
   comes from ``parallel_dims``' CP mesh and the job's ``CPLayout``
   (``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and the
   kernel come from ``[upipe]`` (``attention_backend = "auto"`` is resolved here, once, and
@@ -30,6 +31,7 @@ from titan_upipe.parallel.cp_layout import CPMode
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
+from titan_upipe.tsp.modules import convert_block
 from titan_upipe.validation import attention_backend_choice, check_context_parallel, compute_dtype
 
 
@@ -112,6 +114,28 @@ class USPConverter(_ContextParallelAttentionConverter):
     mode = CPMode.USP
 
 
+class TSPConverter(_ContextParallelAttentionConverter):
+    """``tsp``: every block's attention and feed-forward become TSP modules over the CP ranks,
+    their weights DTensors sharded over them (``titan_upipe.tsp.modules``); the rest of the model
+    stays for FSDP (``parallelize`` leaves the sharded weights out of it)."""
+
+    mode = CPMode.TSP
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+        super().__init__(job_config, parallel_dims)
+        self.settings = job_config.tsp
+
+    def convert(self, model: nn.Module) -> None:
+        for block in model.layers.values():
+            convert_block(block, self.cp_mesh, self.backend_choice.name, self.settings.kv_heads_per_bucket,
+                          self.compute_dtype, self.settings.overlap)
+        model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
+        logger.info("Converted attention and feed-forward to TSP over %d ranks (weights sharded over them; K/V "
+                    "all-gathers of %s KV heads; overlap %s), %s", self.cp_mesh.size(),
+                    self.settings.kv_heads_per_bucket or "all local", "on" if self.settings.overlap else "off",
+                    self.backend_choice.describe())
+
+
 class _TransformConverter:
     def __init__(self, job_config, parallel_dims) -> None:
         self.settings = getattr(job_config, "transforms", None) or Transforms()
@@ -144,7 +168,8 @@ class FusedCrossEntropyConverter(_TransformConverter):
         logger.info("fused_ce: %s backend, no [S, vocab] logits", model.output.backend)
 
 
-CP_CONVERTERS = {cls.mode.value: cls for cls in (UlyssesConverter, UPipeConverter, RingConverter, USPConverter)}
+CP_CONVERTERS = {cls.mode.value: cls for cls in (UlyssesConverter, UPipeConverter, RingConverter, USPConverter,
+                                                 TSPConverter)}
 TRANSFORM_CONVERTERS = dict(zip(TRANSFORM_NAMES, (TiledMLPConverter, TiledRMSNormConverter, FusedRoPEConverter,
                                                   FusedCrossEntropyConverter), strict=True))
 CONVERTERS = {**CP_CONVERTERS, **TRANSFORM_CONVERTERS}

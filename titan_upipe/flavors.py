@@ -11,7 +11,8 @@ qwen3 debug    2       128    8 / 2      16        yes      no (FSDP
                                                             on torch 2.13)
 =============  ======  =====  =========  ========  =======  =========
 
-``debug_mha`` (llama3) has 8 / 8 heads. ``debug_flex`` (llama3 and qwen3) is ``debug`` with
+``debug_mha`` (llama3) has 8 / 8 heads, ``debug_kv4`` (llama3) 8 / 4 (GQA that 4 TSP ranks can
+split: TSP needs the degree to divide the KV heads). ``debug_flex`` (llama3 and qwen3) is ``debug`` with
 TorchTitan's packed-document settings, as its ``debugmodel_flex_attn`` / ``8B_flex`` flavors
 set them: ``attn_type = "flex"``, ``attn_mask_type = "block_causal"`` (documents end at each
 EOS token). Under a CP converter the attention is the plugin's, which reads the documents from
@@ -39,6 +40,10 @@ LLAMA3_DEBUG_FLAVORS = {
     ),
     "debug_mha": TransformerModelArgs(
         dim=128, n_layers=2, n_heads=8, n_kv_heads=8, vocab_size=VOCAB_SIZE,
+        multiple_of=64, rope_theta=500000, max_seq_len=8192,
+    ),
+    "debug_kv4": TransformerModelArgs(
+        dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=VOCAB_SIZE,
         multiple_of=64, rope_theta=500000, max_seq_len=8192,
     ),
     "debug_flex": TransformerModelArgs(
@@ -96,3 +101,15 @@ def flavor_args(job_config, *, update: bool = True):
     if update:
         args.update_from_config(job_config)
     return args
+
+
+def ffn_hidden_dim(args) -> int:
+    """The feed-forward width ``F`` of a Llama3 ``TransformerModelArgs`` (``2/3 * 4d``, scaled by
+    ``ffn_dim_multiplier``, rounded up to ``multiple_of``, as TorchTitan's ``FeedForward`` sizes it)
+    or a Qwen3 ``Qwen3ModelArgs`` (its ``hidden_dim``)."""
+    if hasattr(args, "hidden_dim"):
+        return args.hidden_dim
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)

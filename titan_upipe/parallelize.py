@@ -15,16 +15,22 @@ converters is rejected (``validation.check_job``) with the settings to use inste
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
+from torchtitan.models.llama3.infra.parallelize import (
+    apply_compile,
+    apply_fsdp,
+    disable_fsdp_gradient_division,
+)
 from torchtitan.tools.logging import logger
 
 from titan_upipe import cpu_runtime
 from titan_upipe.compile_parts import compile_parts, needs_part_compile
 from titan_upipe.config import ConfigError
 from titan_upipe.transforms.offload import apply_offloaded_ac
+from titan_upipe.tsp.modules import tsp_sharded_parameters
 from titan_upipe.validation import check_job
 
 
@@ -48,7 +54,14 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     elif compile_model:
         apply_compile(model, job_config.compile)
 
-    if parallel_dims.fsdp_enabled:
+    tsp_weights = tsp_sharded_parameters(model)
+    if parallel_dims.fsdp_enabled and tsp_weights:
+        apply_fsdp_beside_tsp(model, parallel_dims.get_mesh("fsdp"), job_config, set(tsp_weights))
+        if cpu_runtime.is_active():
+            cpu_runtime.force_sum_reductions(model)
+        logger.info("Applied FSDP over the CP ranks to every parameter but the %d TSP-sharded weights",
+                    len(tsp_weights))
+    elif parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         apply_fsdp(
             model,
@@ -68,3 +81,30 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
             "by titan_upipe: use parallelism.data_parallel_shard_degree (FSDP) instead"
         )
     return model
+
+
+def apply_fsdp_beside_tsp(model: nn.Module, mesh, job_config: JobConfig, tsp_weights: set[nn.Parameter]) -> None:
+    """FSDP as TorchTitan's ``apply_fsdp`` wraps a Llama3/Qwen3 model (embedding, each block, final
+    norm + output, the root), over ``mesh``, with ``tsp_weights`` ignored at every level: they
+    are already sharded over the CP ranks (DTensors on the TSP mesh) and their gradients are
+    complete at their owners. The rest (embedding, norms, qk-norms, output), replicated over the
+    CP ranks, is sharded and its gradients summed by FSDP as in every other mode. The TSP
+    modules cast their fp32 weights to the activations' dtype themselves (FSDP's mixed precision
+    does not see them) and return fp32 gradients."""
+    policy = job_config.parallelism.fsdp_reshard_after_forward
+    if policy not in ("default", "always", "never"):
+        raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: valid values are default, always, "
+                          "never")
+    if job_config.training.enable_cpu_offload:
+        raise ConfigError("training.enable_cpu_offload with tsp is not supported (FSDP does not manage the TSP-"
+                          "sharded weights): set training.enable_cpu_offload = false")
+    reshard = policy != "never"
+    config = {"mesh": mesh, "ignored_params": tsp_weights,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+                                                reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce])}
+    fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        fully_shard(block, **config, reshard_after_forward=reshard)
+    fully_shard([model.norm, model.output], **config, reshard_after_forward=policy == "always")
+    fully_shard(model, **config)
+    disable_fsdp_gradient_division(model)

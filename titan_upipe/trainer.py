@@ -43,6 +43,7 @@ from titan_upipe.cp_inputs import (
     model_sequence_mesh,
     shard_batch,
 )
+from titan_upipe.grad_norm import clip_grad_norm_
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -104,7 +105,7 @@ class ContextParallelTrainer(Trainer):
                                               global_valid_tokens=global_valid)
             losses.append(loss.detach())
 
-        grad_norm = dist_utils.clip_grad_norm_(
+        grad_norm = clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm,
             foreach=True, pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()

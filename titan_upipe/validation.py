@@ -22,10 +22,11 @@ from titan_upipe.data.builders import PLUGIN_DATASETS
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET, SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError, did_you_mean
-from titan_upipe.flavors import flavor_args
-from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, cp_mode, divisors
+from titan_upipe.flavors import ffn_hidden_dim, flavor_args
+from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode, divisors
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
+from titan_upipe.tsp.shards import tsp_problems
 
 __all__ = ["JOB_CHECKS", "PLUGIN_IMPORT", "attention_backend_choice", "check_job", "compute_dtype", "config_warnings",
            "cp_layout"]
@@ -210,6 +211,46 @@ def check_context_parallel(job_config) -> CPLayout:
     return layout
 
 
+TSP_CONFLICTS = {
+    "tiled_mlp": "tsp replaces the feed-forward by its weight ring (already F/D wide per step)",
+    "fused_rope": "tsp rotates Q/K with the model's full RoPE table",
+}
+"""Converters ``tsp`` does not compose with, and why."""
+
+
+def check_tsp(job_config, world_size: int) -> None:
+    """``model.converters = ["tsp"]``: the degree splits the query heads, the KV heads and the FFN
+    width, every sequence length is a multiple of ``2 D``, ``[tsp]`` fits, and nothing it does not
+    compose with is set (module ``titan_upipe.tsp``); every problem in one ConfigError."""
+    converters = list(job_config.model.converters)
+    if cp_mode(converters) != CPMode.TSP:
+        return
+    par = job_config.parallelism
+    degree = par.context_parallel_degree
+    args = flavor_args(job_config, update=False)
+    n_heads, n_kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
+    problems = tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree, job_config.training.seq_len)
+    if job_config.validation.enable:
+        problems += [p.replace("sequence length", "validation.seq_len", 1)
+                     for p in tsp_problems(n_heads, n_kv_heads, 1, degree, job_config.validation.seq_len)
+                     if p.startswith("sequence length")]
+    bucket, kv_per_rank = job_config.tsp.kv_heads_per_bucket, n_kv_heads // degree
+    if bucket and kv_per_rank and kv_per_rank % bucket:
+        problems.append(f"tsp.kv_heads_per_bucket = {bucket} does not divide the {kv_per_rank} KV heads per rank "
+                        f"(n_kv_heads {n_kv_heads} / {degree}): use 0 or one of {divisors(kv_per_rank)}")
+    problems += [f"model.converters has 'tsp' and {name!r}: {why}; remove {name!r}"
+                 for name, why in TSP_CONFLICTS.items() if name in converters]
+    if data_parallel_degree(par, world_size) not in (None, 1):
+        problems.append("tsp shards the blocks' weights over the CP ranks; data parallelism on top (FSDP of those "
+                        "shards over more ranks) is not built yet: set parallelism.data_parallel_shard_degree = 1 "
+                        "and data_parallel_replicate_degree = 1 (world size = context_parallel_degree)")
+    if getattr(job_config.optimizer, "state_on_host", False):
+        problems.append("optimizer.state_on_host with tsp is not supported yet (its sharded weights are DTensors "
+                        "on the TSP mesh, not FSDP shards): set optimizer.state_on_host = false")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
 def compute_dtype(job_config):
     """The dtype of the attention inputs in training: FSDP's parameter dtype (TorchTitan runs
     every CP job under FSDP, its mesh spanning the CP ranks)."""
@@ -232,10 +273,6 @@ def check_converter_names(converters: list[str]) -> None:
     """Names TorchTitan knows plus the plugin's own (known here whether or not
     ``registry.register_plugin`` has run yet)."""
     known = sorted({*model_converter._registry_model_converter_cls, *CP_MODES, *TRANSFORM_NAMES})
-    if "tsp" in converters:  # a name users read about in the docs: say what exists instead
-        raise ConfigError("model.converters 'tsp': TSP has no model converter yet (issue 19; its attention and MLP "
-                          "exist as titan_upipe.tsp, docs/tsp.md): for context parallelism use one of "
-                          f"{', '.join(CP_MODES)}")
     unknown = [name for name in converters if name not in known]
     if unknown:
         hints = [hint for name in unknown if (hint := did_you_mean(name, known))]
@@ -341,6 +378,10 @@ def check_validation(job_config) -> None:
                               '.jsonl/.parquet/.txt files, e.g. "/data/heldout/*.jsonl"')
 
 
+DOCUMENT_CP_MODES = tuple(mode for mode in CP_MODES if mode != CPMode.TSP)
+"""CP converters whose attention reads packed-document masks (all but tsp)."""
+
+
 def check_document_masking(job_config) -> None:
     """The flavor's ``attn_mask_type`` with the attention and data that will run it. Refused, because
     each would train plain causal attention (or stop later with another library's error):
@@ -369,11 +410,14 @@ def check_document_masking(job_config) -> None:
                           "run as causal): pick a flavor with one of them")
     if mask_type != "block_causal":
         return
+    if mode is CPMode.TSP:
+        raise ConfigError(f"{flavor} under tsp: TSP attention is causal over the whole sequence (no document "
+                          "masks yet): use a causal flavor (e.g. debug)")
     if mode is None and attn_type == "sdpa":
         raise ConfigError(
             f"{flavor} without a context-parallel converter: TorchTitan builds document masks for attn_type flex "
             "and varlen only, so sdpa would attend across documents; use a flavor with attn_type 'flex' or 'varlen' "
-            f"(e.g. debug_flex, 8B_flex), or add a CP converter ({', '.join(CP_MODES)}), which reads block_causal "
+            f"(e.g. debug_flex, 8B_flex), or add a CP converter ({', '.join(DOCUMENT_CP_MODES)}), which reads block_causal "
             "under any attn_type")
     if mode is not None and attn_type == "varlen":
         try:
@@ -452,6 +496,11 @@ def check_activation_checkpointing(job_config) -> None:
     mode = cp_mode(list(job_config.model.converters))
     if mode is None or option == "op" or int(option) <= 1:
         return
+    if mode not in SELECTIVE_AC_1M_GIB:
+        raise ConfigError(
+            f"activation_checkpoint.mode = \"selective\" (selective_ac_option = \"{option}\") checkpoints one block "
+            f"in {option} and keeps the other blocks' activations, too many for {mode} at long contexts: set "
+            "activation_checkpoint.mode = \"full\", or \"none\" for short debug runs")
     ranks, selective, full, offloaded = SELECTIVE_AC_1M_GIB[mode]
     default = "; TorchTitan's default when the TOML has no [activation_checkpoint] section" if option == "2" else ""
     raise ConfigError(
@@ -487,6 +536,7 @@ JOB_CHECKS = (
     lambda job_config, world_size: check_training(job_config, world_size),
     lambda job_config, world_size: check_converter_names(list(job_config.model.converters)),
     lambda job_config, world_size: check_context_parallel(job_config),
+    lambda job_config, world_size: check_tsp(job_config, world_size),
     lambda job_config, world_size: check_document_masking(job_config),
     lambda job_config, world_size: check_transforms(job_config),
     lambda job_config, world_size: check_validation(job_config),

@@ -119,7 +119,8 @@ def report_lines(m) -> list[str]:
         f"    other compute                 {m.other_compute_time_s:13.3f}   {full.other_compute_time_s:13.3f}",
         f"  communication (modeled)         {m.comm_time_s:13.3f}   {full.comm_time_s:13.3f}   "
         f"all-to-all {_gib(m.a2a_wire_bytes).strip()} sent at {m.a2a_gbps:g} GB/s"
-        + (f", ring {_gib(m.p2p_bytes).strip()} at {m.p2p_gbps:g} GB/s" if m.p2p_bytes else ""),
+        + (f", {'TSP collectives' if m.cp_mode == 'tsp' else 'ring'} {_gib(m.p2p_bytes).strip()} received at "
+           f"{m.p2p_gbps:g} GB/s" if m.p2p_bytes else ""),
         f"  step + communication            {m.step_time_s + m.comm_time_s:13.3f}   {full.modeled_step_time_s:13.3f}",
     ]
     if not m.fake:

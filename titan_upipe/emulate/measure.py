@@ -32,6 +32,8 @@ from titan_upipe.memory_tracker import storage_bytes
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.parallel.mesh import ulysses_part
 from titan_upipe.registry import register_plugin
+from titan_upipe.tsp.comm import layer_comm_bytes
+from titan_upipe.tsp.modules import TSPAttention
 from titan_upipe.validation import check_job
 
 GB = 1e9
@@ -125,7 +127,8 @@ class ModeledComm:
 
     @property
     def comm_time_s(self) -> float:
-        """``a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes)."""
+        """``a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes). For ``tsp``
+        the p2p bytes are every byte a rank receives (``tsp.comm.layer_comm_bytes``)."""
         return self.a2a_wire_bytes / (self.a2a_gbps * GB) + self.p2p_bytes / (self.p2p_gbps * GB)
 
 
@@ -137,6 +140,14 @@ def modeled_comm(job_config, model: torch.nn.Module, elem_size: int, a2a_gbps: f
     if not modules:
         return ModeledComm(0.0, 0.0, 0.0, a2a_gbps, p2p_gbps, None)
     module = modules[0]
+    if isinstance(module, TSPAttention):  # broadcasts, all-gathers, reduces and the MLP ring: the exact count
+        volumes = layer_comm_bytes(module.shards, module.wq.weight.shape[1], job_config.training.local_batch_size,
+                                   job_config.training.seq_len, elem_size)
+        forward = sum(v for (phase, _), v in volumes.items() if phase == "forward")
+        backward = sum(volumes.values()) - forward
+        recompute = recompute_fraction(job_config.activation_checkpoint)
+        return ModeledComm(0.0, 0.0, len(modules) * (forward * (1 + recompute) + backward), a2a_gbps, p2p_gbps,
+                           module)
     local_len = job_config.training.seq_len // module.cp_degree
     _, ulysses_rank, _ = ulysses_part(module.cp_mesh)
     per_call = attention_comm_bytes(module.schedule, module.mode, module.ring_degree,

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
 from titan_upipe.cp_inputs import document_attention_masks, packed_document_tokens
 from titan_upipe.emulate.rank import TrainingRank
 from titan_upipe.errors import ConfigError
+from titan_upipe.grad_norm import clip_grad_norm_
 from titan_upipe.memory_tracker import StepTracker, storage_bytes
 from titan_upipe.parallel import shard_sequence
 from titan_upipe.transforms.offload import OFFLOAD_STATS
@@ -272,8 +272,7 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
         layer_ids = rank.layer_ids()
         grad_bytes = storage_bytes(p.grad for p in params if p.grad is not None)
         layer_grad_bytes = storage_bytes(p.grad for p in params if p.grad is not None and id(p) in layer_ids)
-        dist_utils.clip_grad_norm_(params, job_config.training.max_norm, foreach=True, pp_mesh=None,
-                                   ep_enabled=False)
+        clip_grad_norm_(params, job_config.training.max_norm, foreach=True)
         rank.optimizers.step()
         sync()
         t3 = time.perf_counter()

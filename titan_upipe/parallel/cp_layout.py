@@ -13,6 +13,7 @@ upipe         0 or C                      (1, C)             C
 upipe         d, 1 <= d < C, d | C        (C/d, d)           2 (C/d) d (zigzag x contiguous)
 ring          0 or 1                      (C, 1)             2 C (zigzag)
 usp           d, 1 < d < C, d | C         (C/d, d)           2 (C/d) d
+tsp           0 or 1                      (C, 1)             2 C (zigzag; weights sharded too)
 none          (CP degree 1)               (1, 1)             1
 ============  ==========================  =================  =========================
 
@@ -36,6 +37,9 @@ class CPMode(StrEnum):
     UPIPE = "upipe"
     RING = "ring"
     USP = "usp"
+    TSP = "tsp"
+    """Folded tensor and sequence parallelism (``titan_upipe.tsp``): zigzag shards like the ring,
+    heads never move; the blocks' weights are sharded over the same ranks."""
 
 
 CP_MODES: tuple[str, ...] = tuple(mode.value for mode in CPMode)
@@ -66,7 +70,7 @@ def valid_ulysses_degrees(mode: str, cp_degree: int) -> list[int]:
     """``[upipe] ulysses_degree`` values each mode accepts at CP degree ``cp_degree`` (before head checks)."""
     if mode == CPMode.ULYSSES:
         return [0, cp_degree]
-    if mode == CPMode.RING:
+    if mode in (CPMode.RING, CPMode.TSP):
         return [0, 1]
     if mode == CPMode.USP:
         return [d for d in divisors(cp_degree) if 1 < d < cp_degree]
@@ -90,7 +94,7 @@ def resolve_mesh_shape(mode: str, cp_degree: int, ulysses_degree: int) -> tuple[
             f"upipe.ulysses_degree = {ulysses_degree} is invalid for mode {mode!r} at "
             f"parallelism.context_parallel_degree = {cp_degree}: valid values are {valid or 'none'}{hint}"
         )
-    if mode == CPMode.RING:
+    if mode in (CPMode.RING, CPMode.TSP):
         return cp_degree, 1, False
     if mode in (CPMode.ULYSSES, CPMode.UPIPE) and ulysses_degree in (0, cp_degree):
         return 1, cp_degree, False

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_upipe.flavors import ffn_hidden_dim
+
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -78,14 +80,6 @@ class ModelDims:
         return block * self.n_layers + tail
 
 
-def _llama3_ffn(dim: int, multiple_of: int, multiplier: float | None) -> int:
-    """TorchTitan Llama3's hidden size: ``2/3 * 4d``, scaled, rounded up to ``multiple_of``."""
-    hidden = int(2 * (4 * dim) / 3)
-    if multiplier is not None:
-        hidden = int(multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
 def model_dims_from_args(name: str, args) -> ModelDims:
     """ModelDims of a TorchTitan Llama3 ``TransformerModelArgs`` or Qwen3 ``Qwen3ModelArgs``."""
     n_kv = args.n_kv_heads or args.n_heads
@@ -96,5 +90,5 @@ def model_dims_from_args(name: str, args) -> ModelDims:
                          rope="qwen3")
     return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
                      head_dim=args.dim // args.n_heads,
-                     ffn_dim=_llama3_ffn(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+                     ffn_dim=ffn_hidden_dim(args),
                      vocab=args.vocab_size, rope="llama3")

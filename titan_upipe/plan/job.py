@@ -21,9 +21,10 @@ from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, valid_hea
 from titan_upipe.plan.dims import ModelDims
 from titan_upipe.plan.units import GIB
 
-MODES: tuple[str, ...] = ("none", *CP_MODES, "upipe-in-usp")
-"""The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``) and
-``upipe-in-usp`` (UPipe whose stages attend over a ring: ``upipe`` with ``ulysses`` < ``cp``)."""
+MODES: tuple[str, ...] = ("none", *(m for m in CP_MODES if m != CPMode.TSP), "upipe-in-usp")
+"""The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``, but ``tsp``,
+which the rank emulator measures) and ``upipe-in-usp`` (UPipe whose stages attend over a ring:
+``upipe`` with ``ulysses`` < ``cp``)."""
 
 UPIPE_MODES = ("upipe", "upipe-in-usp")
 
@@ -35,14 +36,21 @@ whether a plan fits (never added to ``peak_gpu_bytes``): the CUDA context and ke
 Override with ``--reserve-gib``."""
 
 
+def _check_planned_mode(mode: str) -> None:
+    if mode == CPMode.TSP:
+        raise ValueError("the planner has no TSP terms yet: measure a tsp job with the rank emulator "
+                         "(python -m titan_upipe.emulate --job.config_file X.toml --cp-world N; docs/tsp.md)")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: valid modes are {', '.join(MODES)}")
+
+
 def _layout_settings(mode: str, cp: int, ulysses: int) -> tuple[CPMode | None, int, int]:
     """``(mode, cp_degree, ulysses_setting)`` of the CPLayout that the planner's settings plan.
 
     Raises the planner's ValueError for an unknown mode, a CP degree below 1 and a Ulysses
     degree (``ulysses``, 0: all of CP) that does not divide ``cp``.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: valid modes are {', '.join(MODES)}")
+    _check_planned_mode(mode)
     if cp < 1:
         raise ValueError("seq_len, cp and batch must be positive")
     if mode == "none" or cp == 1:  # no CP attention: one rank's attention over its tokens
@@ -200,8 +208,7 @@ class PlanInput:
         """ValueError naming the first problem: the planner's own checks, in their order, then
         CPLayout's head checks (ConfigError)."""
         m = self.model
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r}: valid modes are {', '.join(MODES)}")
+        _check_planned_mode(self.mode)
         if self.seq_len < 1 or self.cp < 1 or self.batch < 1:
             raise ValueError("seq_len, cp and batch must be positive")
         cu = self.ulysses_degree  # the planner's ValueError when it does not divide cp

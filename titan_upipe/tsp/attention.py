@@ -28,7 +28,14 @@ from titan_upipe.attention.backend_base import LocalAttentionBackend
 from titan_upipe.attention.projection import RotaryKind, rotate
 from titan_upipe.attention.ring import merge_partial
 from titan_upipe.parallel.layout import ZigzagLayout
-from titan_upipe.tsp.collectives import CommLog, all_gather_stacked, broadcast_from
+from titan_upipe.tsp.collectives import (
+    CommLog,
+    Pending,
+    all_gather_stacked,
+    broadcast_from,
+    start_all_gather,
+    start_broadcast,
+)
 from titan_upipe.tsp.shards import TSPShards
 
 Tensor = torch.Tensor
@@ -84,22 +91,32 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
                   kernel: LocalAttentionBackend, scale: float, rope_table: Tensor, positions: Tensor,
                   rotary: RotaryKind, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
                   norm_eps: float | None = None, bucket_kv_heads: int | None = None,
-                  log: CommLog | None = None) -> Tensor:
+                  log: CommLog | None = None, overlap: bool = True) -> Tensor:
     """``Y [B, S/D, d]`` of TSP attention on this rank (module docstring).
 
     ``x``: this rank's zigzag tokens ``[B, S/D, d]``; ``packed``: its ``[Wq | Wk | Wv | Wo^T]``
     shard (``TSPShards.pack_attention``); ``positions`` ``[1 or B, S/D]``: the tokens' global
     positions (``layout.positions(rank)``); ``bucket_kv_heads``: KV heads per all-gather (default:
-    all of a shard's, one all-gather per owner); ``log``: counts the bytes this rank receives."""
+    all of a shard's, one all-gather per owner); ``log``: counts the bytes this rank receives;
+    ``overlap``: start owner ``r + 1``'s broadcast before owner ``r``'s compute and bucket ``b + 1``'s
+    all-gather before bucket ``b``'s attention (async collectives; the same numbers either way)."""
     rank = 0 if group is None else dist.get_rank(group)
     b, local_len, _ = x.shape
     hd, kv_per_rank, group_size = shards.head_dim, shards.kv_heads, shards.n_heads // shards.n_kv_heads
     bucket = bucket_kv_heads or kv_per_rank
     if kv_per_rank % bucket:
         raise ValueError(f"bucket of {bucket} KV heads does not divide the {kv_per_rank} KV heads per rank")
-    y = None
+    overlap = overlap and group is not None and shards.degree > 1
+
+    def start_weights(owner: int) -> Pending | None:
+        return start_broadcast(packed, owner, group, x.dtype) if overlap and owner < shards.degree else None
+
+    y, next_weights = None, start_weights(0)
     for owner in range(shards.degree):
-        wq, wk, wv, wo_t = shards.unpack_attention(broadcast_from(packed, owner, group, log))
+        # The next owner's shard travels while this one's projections and attention run.
+        weights, next_weights = next_weights, start_weights(owner + 1)
+        wq, wk, wv, wo_t = shards.unpack_attention(broadcast_from(packed, owner, group, log, dtype=x.dtype,
+                                                                  pending=weights))
         q = F.linear(x, wq).view(b, local_len, shards.heads, hd)
         k = F.linear(x, wk).view(b, local_len, kv_per_rank, hd)
         v = F.linear(x, wv).view(b, local_len, kv_per_rank, hd)
@@ -107,10 +124,14 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
             q = F.rms_norm(q, (hd,), q_norm, norm_eps)
             k = F.rms_norm(k, (hd,), k_norm, norm_eps)
         q, k = rotate(q, rope_table, positions, rotary), rotate(k, rope_table, positions, rotary)
-        outs = []
-        for start in range(0, kv_per_rank, bucket):
-            kv = torch.stack([k[:, :, start:start + bucket], v[:, :, start:start + bucket]])  # [2, B, L, bk, hd]
-            gathered = all_gather_stacked(kv, group, log)  # [D, 2, B, L, bk, hd]: rank r's zigzag shard at r
+        starts = range(0, kv_per_rank, bucket)
+        stacks = [torch.stack([k[:, :, i:i + bucket], v[:, :, i:i + bucket]]) for i in starts]  # [2, B, L, bk, hd]
+        outs, next_kv = [], start_all_gather(stacks[0], group) if overlap else None
+        for index, start in enumerate(starts):
+            kv, next_kv = next_kv, None
+            if overlap and index + 1 < len(stacks):  # the next bucket's K/V travel during this attention
+                next_kv = start_all_gather(stacks[index + 1], group)
+            gathered = all_gather_stacked(stacks[index], group, log, pending=kv)  # [D, 2, B, L, bk, hd]: rank r's at r
             natural = layout.unshard(gathered.unbind(0), seq_dim=2)  # [2, B, S, bk, hd] in sequence order
             k_all, v_all = (t.transpose(1, 2) for t in natural.unbind(0))  # [B, bk, S, hd]
             heads = slice(start * group_size, (start + bucket) * group_size)
