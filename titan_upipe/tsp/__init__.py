@@ -14,7 +14,7 @@ mlp            ``tsp_gated_mlp``: Algorithm 2 (weight ring, local output accumul
 ============== ==========================================================================
 """
 
-from titan_upipe.tsp.attention import tsp_attention, zigzag_causal_attention
+from titan_upipe.tsp.attention import GatheredCausalAttention, tsp_attention
 from titan_upipe.tsp.collectives import CommLog, Pending
 from titan_upipe.tsp.comm import layer_comm_bytes, paper_layer_comm_bytes
 from titan_upipe.tsp.mlp import tsp_gated_mlp
@@ -26,6 +26,5 @@ from titan_upipe.tsp.shards import (
            tsp_problems,
 )
 
-__all__ = ["CommLog", "Pending", "TSPShards", "check_tsp_degree", "layer_comm_bytes", "pack_attention_shard",
-           "pack_mlp_shard", "paper_layer_comm_bytes", "tsp_attention", "tsp_gated_mlp", "tsp_problems",
-           "zigzag_causal_attention"]
+__all__ = ["CommLog", "GatheredCausalAttention", "Pending", "TSPShards", "check_tsp_degree", "layer_comm_bytes", "pack_attention_shard",
+           "pack_mlp_shard", "paper_layer_comm_bytes", "tsp_attention", "tsp_gated_mlp", "tsp_problems"]

@@ -6,16 +6,18 @@ the tokens' global positions); for each bucket of KV heads, all-gather ``K, V`` 
 and reorder the zigzag shards to natural order; causal attention of the local queries over them;
 ``Y += A Wo^(r)T``. After ``D`` owners every rank holds ``Y`` for its tokens, all heads applied.
 
-Causal attention of a zigzag shard: rank ``p`` holds chunks ``p`` and ``2D-1-p`` (``S_c = S/(2D)``
-tokens each); chunk ``c``'s queries see keys ``[0, (c+1) S_c)``: a full block over ``[0, c S_c)``
-and a causal diagonal block, LSE-merged in fp32 (:class:`PrefixCausalAttention`), each run by the
-job's local attention kernel under its merged-backward contract (``attention.backends``).
+Causal attention of a zigzag shard (:class:`GatheredCausalAttention`, one KV-head bucket at a
+time): rank ``p`` holds chunks ``p`` and ``2D-1-p`` (``S_c = S/(2D)`` tokens each); chunk ``c``'s
+queries see keys ``[0, (c+1) S_c)``: a full block over ``[0, c S_c)`` and a causal diagonal block,
+LSE-merged in fp32, each run by the job's local attention kernel under its merged-backward
+contract (``attention.backends``). The bucket's whole-sequence K/V is not saved: backward
+gathers it again, so one bucket's is alive at a time.
 
-Backward is autograd through the adjoints of ``tsp.collectives``: the broadcast's gradient is
-reduced to the owner in fp32 (each weight gradient ends at its owning rank), the K/V all-gather's
-is reduce-scattered in fp32. Parameters outside the shards (qk-norm weights) are replicated: each
-rank returns its tokens' share, and the caller sums them over the group like any replicated
-parameter.
+Backward: the broadcast's gradient is reduced to the owner in fp32 (each weight gradient ends at
+its owning rank, ``tsp.collectives``); dK/dV over the sequence are summed in fp32 and
+reduce-scattered to the tokens' ranks. Parameters outside the shards (qk-norm weights) are
+replicated: each rank returns its tokens' share, and the caller sums them over the group like
+any replicated parameter.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from titan_upipe.parallel.layout import ZigzagLayout
 from titan_upipe.tsp.collectives import (
     CommLog,
     Pending,
-    all_gather_stacked,
     broadcast_from,
+    nbytes,
+    record,
+    reduce_scatter_stacked,
     start_all_gather,
     start_broadcast,
 )
@@ -41,50 +45,101 @@ from titan_upipe.tsp.shards import TSPShards
 Tensor = torch.Tensor
 
 
-class PrefixCausalAttention(torch.autograd.Function):
-    """Queries of chunk ``c`` (``[B, h, S_c, hd]``) over keys ``[0, (c+1) S_c)`` in natural order
-    (``[B, k, (c+1) S_c, hd]``): full attention over the first ``c S_c`` keys, causal over the
-    last ``S_c``, merged in fp32. Backward hands each block the merged ``out``/``lse``."""
+def prefix_causal_forward(q: Tensor, k: Tensor, v: Tensor, kernel: LocalAttentionBackend,
+                          scale: float) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of queries of chunk ``c`` (``[B, h, S_c, hd]``) over keys ``[0, (c+1) S_c)`` in
+    natural order (``[B, k, (c+1) S_c, hd]``): full attention over the first ``c S_c`` keys, causal
+    over the last ``S_c``, LSE-merged in fp32."""
+    prefix = k.shape[2] - q.shape[2]
+    out, lse = kernel.forward(q, k[:, :, prefix:], v[:, :, prefix:], scale, causal=True)
+    if prefix:
+        out_acc, lse_acc = out.float(), lse.clone()
+        early_out, early_lse = kernel.forward(q, k[:, :, :prefix], v[:, :, :prefix], scale, causal=False)
+        merge_partial(out_acc, lse_acc, early_out, early_lse)
+        out, lse = out_acc.to(q.dtype), lse_acc
+    return out, lse
+
+
+def prefix_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           kernel: LocalAttentionBackend, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`prefix_causal_forward`; each block's kernel backward gets the
+    merged ``out``/``lse`` (the backend contract), ``dq`` summed over the two in fp32."""
+    prefix = k.shape[2] - q.shape[2]
+    dq, dk_diag, dv_diag = kernel.backward(dout, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, scale, causal=True)
+    if not prefix:
+        return dq, dk_diag, dv_diag
+    dq_early, dk_early, dv_early = kernel.backward(dout, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, scale,
+                                                   causal=False)
+    dq = (dq.float() + dq_early.float()).to(q.dtype)
+    return dq, torch.cat([dk_early, dk_diag], dim=2), torch.cat([dv_early, dv_diag], dim=2)
+
+
+def _gather(kv_local: Tensor, group: dist.ProcessGroup | None, log: CommLog | None, phase: str,
+            pending: Pending | None) -> Tensor:
+    """``[D, *kv_local.shape]``: every rank's K/V bucket (this rank's at its index), counted in ``log``."""
+    if group is None:
+        return kv_local.unsqueeze(0)
+    gathered = (pending or start_all_gather(kv_local, group)).wait()
+    record(log, phase, "all_gather", (gathered.shape[0] - 1) * nbytes(gathered[0]))
+    return gathered
+
+
+def _natural_kv(gathered: Tensor, layout: ZigzagLayout) -> tuple[Tensor, Tensor]:
+    """``[D, 2, B, S/D, bk, hd]`` (rank ``r``'s zigzag shard at ``r``) -> K, V ``[B, bk, S, hd]`` in
+    sequence order."""
+    natural = layout.unshard(gathered.unbind(0), seq_dim=2)  # [2, B, S, bk, hd]
+    return natural[0].transpose(1, 2), natural[1].transpose(1, 2)
+
+
+class GatheredCausalAttention(torch.autograd.Function):
+    """One KV bucket's attention on rank ``p``: all-gather the bucket's K/V ``[2, B, S/D, bk, hd]``
+    along the sequence, reorder zigzag -> natural, and attend the rank's two zigzag query chunks
+    ``q [B, h, S/D, hd]`` (the bucket's query heads) causally over their key prefixes;
+    ``[B, h, S/D, hd]``.
+
+    Saved for backward: the local K/V, the queries, outputs and LSEs, never the whole-sequence K/V;
+    backward gathers it again (the forward's bytes once more), so one bucket's whole-sequence K/V
+    is alive at a time in forward and backward alike (what ``kv_heads_per_bucket`` bounds). dK/dV
+    over the sequence are summed in fp32 and reduce-scattered to the tokens' ranks in fp32."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, kernel: LocalAttentionBackend, scale: float) -> Tensor:
-        chunk = q.shape[2]
-        prefix = k.shape[2] - chunk
-        out, lse = kernel.forward(q, k[:, :, prefix:], v[:, :, prefix:], scale, causal=True)
-        if prefix:
-            out_acc, lse_acc = out.float(), lse.clone()
-            early_out, early_lse = kernel.forward(q, k[:, :, :prefix], v[:, :, :prefix], scale, causal=False)
-            merge_partial(out_acc, lse_acc, early_out, early_lse)
-            out, lse = out_acc.to(q.dtype), lse_acc
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.scale, ctx.prefix = kernel, scale, prefix
-        return out
+    def forward(ctx, q: Tensor, kv_local: Tensor, layout: ZigzagLayout, rank: int, group: dist.ProcessGroup | None,
+                kernel: LocalAttentionBackend, scale: float, log: CommLog | None, pending: Pending | None) -> Tensor:
+        k_all, v_all = _natural_kv(_gather(kv_local, group, log, "forward", pending), layout)
+        chunk, outs, lses = layout.chunk_len, [], []
+        for half, c in zip(q.split(chunk, dim=2), layout.ring_chunks(rank), strict=True):
+            keys = (c + 1) * chunk
+            out, lse = prefix_causal_forward(half, k_all[:, :, :keys], v_all[:, :, :keys], kernel, scale)
+            outs.append(out)
+            lses.append(lse)
+        ctx.save_for_backward(q, kv_local, *outs, *lses)
+        ctx.layout, ctx.rank, ctx.group, ctx.kernel, ctx.scale, ctx.log = layout, rank, group, kernel, scale, log
+        return torch.cat(outs, dim=2)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, scale, prefix = ctx.kernel, ctx.scale, ctx.prefix
-        dout = dout.contiguous()
-        dq, dk_diag, dv_diag = kernel.backward(dout, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, scale,
-                                               causal=True)
-        if not prefix:
-            return dq, dk_diag, dv_diag, None, None
-        dq_early, dk_early, dv_early = kernel.backward(dout, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, scale,
-                                                       causal=False)
-        dq = (dq.float() + dq_early.float()).to(q.dtype)
-        return dq, torch.cat([dk_early, dk_diag], dim=2), torch.cat([dv_early, dv_diag], dim=2), None, None
-
-
-def zigzag_causal_attention(q: Tensor, k: Tensor, v: Tensor, layout: ZigzagLayout, rank: int,
-                            kernel: LocalAttentionBackend, scale: float) -> Tensor:
-    """Causal attention of rank ``rank``'s zigzag queries ``[B, h, S/D, hd]`` over the whole
-    sequence's keys/values in natural order ``[B, k, S, hd]``; ``[B, h, S/D, hd]``."""
-    first, second = layout.ring_chunks(rank)
-    chunk = layout.chunk_len
-    halves = q.split(chunk, dim=2)
-    outs = [PrefixCausalAttention.apply(half, k[:, :, :(c + 1) * chunk], v[:, :, :(c + 1) * chunk], kernel, scale)
-            for half, c in zip(halves, (first, second), strict=True)]
-    return torch.cat(outs, dim=2)
+        q, kv_local, out0, out1, lse0, lse1 = ctx.saved_tensors
+        layout, chunk = ctx.layout, ctx.layout.chunk_len
+        k_all, v_all = _natural_kv(_gather(kv_local, ctx.group, ctx.log, "backward", None), layout)
+        dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
+        dv_all = torch.zeros_like(dk_all)
+        dqs = []
+        halves = zip(q.split(chunk, dim=2), dout.split(chunk, dim=2), (out0, out1), (lse0, lse1),
+                     layout.ring_chunks(ctx.rank), strict=True)
+        for half, d_half, out, lse, c in halves:
+            keys = (c + 1) * chunk
+            dq, dk, dv = prefix_causal_backward(d_half.contiguous(), half, k_all[:, :, :keys], v_all[:, :, :keys], out,
+                                                lse, ctx.kernel, ctx.scale)
+            dqs.append(dq)
+            dk_all[:, :, :keys] += dk.float()
+            dv_all[:, :, :keys] += dv.float()
+        del k_all, v_all
+        # every rank's zigzag tokens of dK/dV, [D, 2, B, S/D, bk, hd], summed at the tokens' rank
+        dkv = torch.stack([dk_all.transpose(1, 2), dv_all.transpose(1, 2)])  # [2, B, S, bk, hd]
+        per_rank = torch.stack([layout.shard(dkv, r, seq_dim=2) for r in range(layout.ring_size)])
+        del dkv, dk_all, dv_all
+        dkv_local = per_rank[0] if ctx.group is None else reduce_scatter_stacked(per_rank, ctx.group, ctx.log)
+        return torch.cat(dqs, dim=2), dkv_local.to(kv_local.dtype), None, None, None, None, None, None, None
 
 
 def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLayout, group: dist.ProcessGroup | None,
@@ -131,12 +186,9 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
             kv, next_kv = next_kv, None
             if overlap and index + 1 < len(stacks):  # the next bucket's K/V travel during this attention
                 next_kv = start_all_gather(stacks[index + 1], group)
-            gathered = all_gather_stacked(stacks[index], group, log, pending=kv)  # [D, 2, B, L, bk, hd]: rank r's at r
-            natural = layout.unshard(gathered.unbind(0), seq_dim=2)  # [2, B, S, bk, hd] in sequence order
-            k_all, v_all = (t.transpose(1, 2) for t in natural.unbind(0))  # [B, bk, S, hd]
             heads = slice(start * group_size, (start + bucket) * group_size)
-            outs.append(zigzag_causal_attention(q[:, :, heads].transpose(1, 2), k_all, v_all, layout, rank,
-                                                kernel, scale))
+            outs.append(GatheredCausalAttention.apply(q[:, :, heads].transpose(1, 2), stacks[index], layout, rank,
+                                                      group, kernel, scale, log, kv))
         attended = torch.cat(outs, dim=1).transpose(1, 2).reshape(b, local_len, shards.heads * hd)
         contribution = (attended @ wo_t).float()  # summed over the D owners in fp32
         y = contribution if y is None else y + contribution

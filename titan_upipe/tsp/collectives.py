@@ -144,11 +144,17 @@ class _AllGatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        send = grad.float().contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ctx.group)  # chunk j to rank j: every rank's grad of my shard
-        record(ctx.log, "backward", "reduce_scatter", nbytes(send) - nbytes(send[0]))
-        return recv.sum(dim=0).to(grad.dtype), None, None, None
+        return reduce_scatter_stacked(grad, ctx.group, ctx.log).to(grad.dtype), None, None, None
+
+
+def reduce_scatter_stacked(grad: Tensor, group: dist.ProcessGroup, log: CommLog | None = None) -> Tensor:
+    """``sum_r grad_r[p]`` in fp32 on rank ``p``, from every rank's ``grad [D, ...]`` (the adjoint of
+    ``all_gather_stacked``): an all-to-all of the fp32 chunks and a local sum."""
+    send = grad.float().contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # chunk j to rank j: every rank's grad of my shard
+    record(log, "backward", "reduce_scatter", nbytes(send) - nbytes(send[0]))
+    return recv.sum(dim=0)
 
 
 def all_gather_stacked(local: Tensor, group: dist.ProcessGroup | None, log: CommLog | None = None,

@@ -11,6 +11,8 @@ weight broadcast (forward)   ``(D-1)/D · P_a · beta``                ``P_a · 
                                                                    relays the whole message)
 MLP weight ring (forward)    ``(D-1)/D · P_m · beta``                same
 K/V all-gather (forward)     ``(D-1)/D · 2 B S K hd · beta``         same
+K/V all-gather (backward)    ``(D-1)/D · 2 B S K hd · beta``         none (the paper keeps K/V;
+                                                                   here it is gathered again)
 weight gradient reduce       ``(D-1)/D · P_a · 4`` (fp32 sums)       ``P_a · beta``
 MLP gradient ring            ``(D-1)/D · P_m · 4`` (fp32 sums)       ``(D-1)/D · P_m · beta``
 dK/dV reduce-scatter         ``(D-1)/D · 2 B S K hd · 4`` (fp32)     ``(D-1)/D · 2 B S K hd · beta``
@@ -38,6 +40,7 @@ def layer_comm_bytes(shards: TSPShards, dim: int, batch: int, seq_len: int, beta
         ("forward", "broadcast"): (d - 1) * attention_shard * beta,
         ("forward", "all_gather"): d * (d - 1) * kv_local * beta,
         ("forward", "ring"): (d - 1) * mlp_shard * beta,
+        ("backward", "all_gather"): d * (d - 1) * kv_local * beta,
         ("backward", "reduce"): (d - 1) * attention_shard * FP32_BYTES,
         ("backward", "reduce_scatter"): d * (d - 1) * kv_local * FP32_BYTES,
         ("backward", "ring"): (d - 1) * mlp_shard * FP32_BYTES,
