@@ -147,7 +147,7 @@ def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
             upipe["ulysses_degree"] = recipe.ulysses_degree
         result["upipe"] = upipe
     if recipe.method == "tsp":
-        result["tsp"] = {"kv_heads_per_bucket": 0, "overlap": True}
+        result["tsp"] = {"kv_heads_per_bucket": 0, "overlap": True, "mlp_recompute": True}
     if any(t in converters for t in ("tiled_mlp", "tiled_rmsnorm", "fused_ce")):
         result["transforms"] = {"mlp_tile_tokens": 0, "rmsnorm_tile_tokens": 0, "ce_chunk_tokens": 0,
                                 "ce_backend": "auto"}

@@ -51,9 +51,11 @@ def main() -> None:
                   f"{others['upipe'] / GB:.1f} | {tsp / others['ulysses']:.2f} |")
         attention_shard = sum(shards.attention_rows) * m.dim * BETA
         mlp_shard = sum(shards.mlp_rows) * m.dim * BETA
-        print(f"weights in flight per rank: TSP broadcast buffer {attention_shard / 2**20:.0f} MiB + MLP ring "
-              f"2 x {mlp_shard / 2**20:.0f} MiB; FSDP unsharded block + next block's all-gather "
-              f"2 x {m.block_params * BETA / 2**20:.0f} MiB")
+        block = (attention_shard + mlp_shard) * D
+        print(f"block weights in the compute dtype per rank: TSP keeps the D shards a block received for its "
+              f"backward ({block / 2**20:.0f} MiB) plus the next one in flight (attention {attention_shard / 2**20:.0f}"
+              f" / MLP {mlp_shard / 2**20:.0f} MiB); FSDP the unsharded block and the next block's all-gather "
+              f"(2 x {m.block_params * BETA / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":

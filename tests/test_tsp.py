@@ -259,8 +259,9 @@ def test_gradient_clipping_across_the_fsdp_and_tsp_meshes():
 
 
 def _overlap_changes_nothing(rank, world, mesh):
-    """TSP attention (2 KV-head buckets per owner) and MLP with the async prefetches on and off:
-    outputs and every gradient bitwise equal, and the same bytes received."""
+    """TSP attention (2 KV-head buckets per owner) and MLP with the async prefetches on and off, the
+    MLP's projections saved or recomputed: outputs and every gradient bitwise equal, and the same
+    bytes received."""
     torch.manual_seed(0)
     seq, n_heads, n_kv = 16 * world, 8, 8
     module, table = build_reference("llama3", n_heads, n_kv, max_seq_len=seq)
@@ -270,7 +271,7 @@ def _overlap_changes_nothing(rank, world, mesh):
     x = layout.shard(torch.randn(2, seq, module.wq.in_features), rank, seq_dim=1)
     grad_y = torch.randn_like(x)
     runs = []
-    for overlap in (False, True):
+    for overlap, recompute in ((False, False), (True, True), (True, False)):
         log = CommLog()
         packed = shards.pack_attention(module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight,
                                        rank).detach().requires_grad_(True)
@@ -279,14 +280,16 @@ def _overlap_changes_nothing(rank, world, mesh):
         y = tsp_attention(x_in, packed, shards, layout, mesh.get_group(), get_backend("sdpa", torch.float32),
                           HEAD_DIM ** -0.5, table, layout.positions(rank)[None], RotaryKind.COMPLEX,
                           bucket_kv_heads=1, log=log, overlap=overlap)
-        y = tsp_gated_mlp(y, packed_mlp, shards, mesh.get_group(), log=log, overlap=overlap)
+        y = tsp_gated_mlp(y, packed_mlp, shards, mesh.get_group(), log=log, overlap=overlap, recompute=recompute)
         y.backward(grad_y)
         runs.append(([y.detach(), x_in.grad, packed.grad, packed_mlp.grad], dict(log.received)))
-    (off, off_bytes), (on, on_bytes) = runs
-    return all(torch.equal(a, b) for a, b in zip(off, on, strict=True)) and off_bytes == on_bytes
+    (first, first_bytes), *others = runs
+    return all(torch.equal(a, b) and bytes_ == first_bytes for other, bytes_ in others
+               for a, b in zip(first, other, strict=True))
 
 
-def test_overlapped_collectives_change_no_number():
+def test_overlap_and_mlp_recompute_change_no_number():
     """The next owner's broadcast, the next bucket's K/V all-gather and the MLP ring's send/receive
-    started before the compute they overlap (async) give the synchronous run's numbers exactly."""
+    started before the compute they overlap (async), and the MLP's projections recomputed in
+    backward, give the synchronous, saving run's numbers exactly."""
     assert run_distributed(4, _overlap_changes_nothing) == [True] * 4

@@ -83,8 +83,14 @@ class TSP:
     broadcast during this owner's attention, the next bucket's K/V all-gather during this bucket's,
     the MLP ring's send/receive during the step's GEMMs (async collectives; the same numbers)."""
 
+    mlp_recompute: bool = True
+    """The ring MLP saves only its weight shards and recomputes each step's two ``[T, F/D]``
+    projections in backward (two more GEMMs per step): ``2 x T x F`` values per block less from its
+    forward to its backward (at 1M tokens on 8 ranks, Llama3-8B: 7 GiB in bf16)."""
+
     def __post_init__(self) -> None:
         _require(isinstance(self.overlap, bool), "tsp.overlap", self.overlap, "true or false")
+        _require(isinstance(self.mlp_recompute, bool), "tsp.mlp_recompute", self.mlp_recompute, "true or false")
         _require(isinstance(self.kv_heads_per_bucket, int) and not isinstance(self.kv_heads_per_bucket, bool)
                  and self.kv_heads_per_bucket >= 0, "tsp.kv_heads_per_bucket", self.kv_heads_per_bucket,
                  "0 (all of a rank's KV heads) or a positive divisor of n_kv_heads / context_parallel_degree")

@@ -128,7 +128,7 @@ class TSPConverter(_ContextParallelAttentionConverter):
     def convert(self, model: nn.Module) -> None:
         for block in model.layers.values():
             convert_block(block, self.cp_mesh, self.backend_choice.name, self.settings.kv_heads_per_bucket,
-                          self.compute_dtype, self.settings.overlap)
+                          self.compute_dtype, self.settings.overlap, self.settings.mlp_recompute)
         model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
         logger.info("Converted attention and feed-forward to TSP over %d ranks (weights sharded over them; K/V "
                     "all-gathers of %s KV heads; overlap %s), %s", self.cp_mesh.size(),

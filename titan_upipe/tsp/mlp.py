@@ -8,9 +8,9 @@ activation all-reduce; ``Y`` is summed over the steps in fp32.
 Backward walks the steps in reverse with an fp32 gradient accumulator that travels the ring the
 other way: at step ``t`` rank ``p`` adds its tokens' gradient of shard ``p - t`` and sends the sum to
 ``p - 1``, which holds that shard at step ``t - 1``; after step 0 every rank holds the whole
-gradient of its own shard (``D - 1`` fp32 sends). ``dX`` sums the steps in fp32. With ``overlap``
-each send/receive is started before the step's GEMMs that do not need it and waited for after. Saved per step:
-the shard and the two ``[B, S/D, F/D]`` projections (what autograd would save).
+gradient of its own shard (``D - 1`` fp32 sends). ``dX`` sums the steps in fp32. Saved per step:
+the shard, and unless ``recompute`` the two ``[B, S/D, F/D]`` projections. With ``overlap``
+each send/receive is started before the step's GEMMs that do not need it and waited for after.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ Tensor = torch.Tensor
 class _RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, packed: Tensor, shards: TSPShards, group: dist.ProcessGroup | None,
-                log: CommLog | None, overlap: bool) -> Tensor:
+                log: CommLog | None, overlap: bool, recompute: bool) -> Tensor:
         # The shard computes and travels in x's dtype; its gradient comes back in packed's (fp32 master).
         ctx.shards, ctx.group, ctx.log, ctx.dtype, ctx.overlap = shards, group, log, packed.dtype, overlap
+        ctx.recompute = recompute
         shard, saved, y = packed.detach().to(x.dtype), [], None
         for step in range(shards.degree):
             last = step == shards.degree - 1
@@ -42,7 +43,8 @@ class _RingMLP(torch.autograd.Function):
             gate, up = F.linear(x, w1), F.linear(x, w3)
             contribution = ((F.silu(gate) * up) @ w2_t).float()
             y = contribution if y is None else y + contribution
-            saved += [shard, gate, up]
+            saved += [shard] if recompute else [shard, gate, up]
+            del gate, up
             if not last:
                 shard = incoming.wait() if incoming is not None else shift(shard, group, +1)
         ctx.save_for_backward(x, *saved)
@@ -56,9 +58,12 @@ class _RingMLP(torch.autograd.Function):
         dy_rows = dy.reshape(-1, dy.shape[-1])
         dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         grad = None  # fp32 gradient of the shard held at this step, summed over the ranks that held it before
+        per_step = 1 if ctx.recompute else 3
         for step in reversed(range(shards.degree)):
-            shard, gate, up = saved[3 * step:3 * step + 3]
+            shard, *projections = saved[per_step * step:per_step * (step + 1)]
             w1, w3, w2_t = shards.unpack_mlp(shard)
+            # recompute: the step's two [B, S/D, F/D] projections again (two GEMMs), never saved
+            gate, up = projections or (F.linear(x, w1), F.linear(x, w3))
             activated = F.silu(gate)
             d_hidden = dy @ w2_t.t()
             d_gate = torch.ops.aten.silu_backward(d_hidden * up, gate)
@@ -77,14 +82,17 @@ class _RingMLP(torch.autograd.Function):
             dx += (d_gate @ w1 + d_up @ w3).float()
             if outgoing is not None:
                 grad = outgoing.wait()
-        return dx.to(x.dtype), grad.to(ctx.dtype), None, None, None, None
+        return dx.to(x.dtype), grad.to(ctx.dtype), None, None, None, None, None
 
 
 def tsp_gated_mlp(x: Tensor, packed: Tensor, shards: TSPShards, group: dist.ProcessGroup | None,
-                  log: CommLog | None = None, overlap: bool = True) -> Tensor:
+                  log: CommLog | None = None, overlap: bool = True, recompute: bool = True) -> Tensor:
     """``Y [B, S/D, d]`` for this rank's tokens ``x [B, S/D, d]``; ``packed``: its ``[W1 | W3 | W2^T]``
     shard (``TSPShards.pack_mlp``); ``log``: counts the bytes this rank receives; ``overlap``: each
-    ring send/receive runs during the step's GEMMs (async; the same numbers either way)."""
+    ring send/receive runs during the step's GEMMs (async; the same numbers either way);
+    ``recompute``: save only the shards and recompute each step's ``X W1^T``, ``X W3^T`` in
+    backward (two more GEMMs per step; the ``2 x [B, S/D, F]`` projections of all steps otherwise
+    stay saved from forward to backward)."""
     if shards.degree > 1 and group is None:
         raise ValueError(f"a TSP degree of {shards.degree} needs its process group")
-    return _RingMLP.apply(x, packed, shards, group, log, overlap and shards.degree > 1)
+    return _RingMLP.apply(x, packed, shards, group, log, overlap and shards.degree > 1, recompute)

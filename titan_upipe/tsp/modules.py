@@ -115,12 +115,13 @@ class TSPFeedForward(nn.Module):
     """Algorithm 2 of the TSP paper: the gated MLP's ``[w1 | w3 | w2^T]`` shards travel a ring
     of ``D`` ranks (``tsp.mlp``); ``[B, S/D, dim] -> [B, S/D, dim]``."""
 
-    def __init__(self, source: nn.Module, mesh: DeviceMesh, shards: TSPShards, overlap: bool = True) -> None:
+    def __init__(self, source: nn.Module, mesh: DeviceMesh, shards: TSPShards, overlap: bool = True,
+                 recompute: bool = True) -> None:
         super().__init__()
         _check_mesh(mesh)
         self.w1, self.w2, self.w3 = source.w1, source.w2, source.w3
         self.source_class = type(source)
-        self.mesh, self.shards, self.overlap = mesh, shards, overlap
+        self.mesh, self.shards, self.overlap, self.recompute = mesh, shards, overlap, recompute
         self.comm_log: CommLog | None = None
         shard_weights(self, mesh, MLP_PLACEMENTS)
 
@@ -128,15 +129,17 @@ class TSPFeedForward(nn.Module):
         self.source_class.init_weights(self, init_std)
 
     def extra_repr(self) -> str:
-        return f"mode=tsp, degree={self.shards.degree}, hidden per rank={self.shards.hidden}, overlap={self.overlap}"
+        return (f"mode=tsp, degree={self.shards.degree}, hidden per rank={self.shards.hidden}, overlap={self.overlap}, "
+                f"recompute={self.recompute}")
 
     def forward(self, x: Tensor) -> Tensor:
         packed = pack_mlp_shard(*(_local(getattr(self, name).weight) for name in ("w1", "w2", "w3")))
-        return tsp_gated_mlp(x, packed, self.shards, self.mesh.get_group(), self.comm_log, self.overlap)
+        return tsp_gated_mlp(x, packed, self.shards, self.mesh.get_group(), self.comm_log, self.overlap,
+                             self.recompute)
 
 
 def convert_block(block: nn.Module, mesh: DeviceMesh, backend: str, kv_heads_per_bucket: int = 0,
-                  compute_dtype: torch.dtype | None = None, overlap: bool = True) -> None:
+                  compute_dtype: torch.dtype | None = None, overlap: bool = True, mlp_recompute: bool = True) -> None:
     """Replace a TorchTitan Llama3/Qwen3 block's ``attention`` and ``feed_forward`` by TSP modules
     (every degree problem raised as one ConfigError, ``tsp_problems``)."""
     if not is_swiglu_feed_forward(block.feed_forward):
@@ -146,7 +149,7 @@ def convert_block(block: nn.Module, mesh: DeviceMesh, backend: str, kv_heads_per
     shards = TSPShards(spec.n_heads, spec.n_kv_heads, spec.head_dim, block.feed_forward.w1.weight.shape[0], mesh.size())
     block.attention = TSPAttention(block.attention, spec, mesh, shards, backend, kv_heads_per_bucket, compute_dtype,
                                    overlap)
-    block.feed_forward = TSPFeedForward(block.feed_forward, mesh, shards, overlap)
+    block.feed_forward = TSPFeedForward(block.feed_forward, mesh, shards, overlap, mlp_recompute)
 
 
 def tsp_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
