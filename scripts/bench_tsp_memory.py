@@ -8,9 +8,10 @@ live-tensor tracker), fp32, for each converter:
 * ``long``: the llama3 ``debug_mha`` flavor (8 / 8 heads, dim 128), 2 blocks, 65536 tokens (8192
   per rank), no activation checkpointing: the activations each block keeps dominate.
 
-Communication: Ulysses/UPipe's all-to-all bytes sent (``attention.comm_model``; FSDP's weight
-traffic not included), TSP's every byte received (``tsp.comm.layer_comm_bytes``: its weights
-travel inside the layer, there is no FSDP of block weights). ``scripts/tsp_compare.py`` puts the
+Communication per step at full depth: Ulysses/UPipe's all-to-all bytes (``attention.comm_model``)
+plus FSDP's traffic for the blocks' weights (fp32 all-gather in forward and backward,
+reduce-scatter: ``fsdp_block_bytes``); TSP's every byte received (``tsp.comm.layer_comm_bytes``:
+its weights travel inside the layer, no FSDP of block weights). ``scripts/tsp_compare.py`` puts the
 bytes of all three side by side with FSDP at 128K-1M.
 
     python scripts/bench_tsp_memory.py             # ~10 min on a 2-core CPU
@@ -48,18 +49,27 @@ def measure(mode: str, overrides: tuple[str, ...]) -> dict:
     return json.loads(out[out.index("{"):])
 
 
+def fsdp_block_bytes(r: dict) -> float:
+    """Bytes one rank receives per step for the blocks' weights under FSDP over all ranks (fp32 here):
+    the all-gather in forward, again in backward, the reduce-scatter; ``(D-1)/D`` of each."""
+    block = r["layer_param_bytes"] / r["n_layers"] * RANKS  # one block's weights, unsharded
+    return r["full"]["n_layers"] * 3 * block * (RANKS - 1) / RANKS
+
+
 def row(mode: str, r: dict) -> str:
     full = r["full"]
-    comm = r["a2a_bytes"] + r["p2p_bytes"] if mode != "tsp" else r["p2p_bytes"]
-    full_comm = full["a2a_bytes"] + full["p2p_bytes"] if mode != "tsp" else full["p2p_bytes"]
+    attention = full["a2a_bytes"] + full["p2p_bytes"]
+    fsdp = 0.0 if mode == "tsp" else fsdp_block_bytes(r)
     cells = [mode, full["param_bytes"] / MIB, full["grad_bytes"] / MIB, full["optimizer_bytes"] / MIB,
-             r["retained_bytes_per_layer"] / MIB, r["peak_bytes"] / MIB, full["peak_bytes"] / MIB, comm / MIB,
-             full_comm / MIB]
+             r["retained_bytes_per_layer"] / MIB, r["peak_bytes"] / MIB, full["peak_bytes"] / MIB, attention / GB,
+             fsdp / GB, (attention + fsdp) / GB]
     return "| " + " | ".join(c if isinstance(c, str) else f"{c:,.1f}" for c in cells) + " |"
 
 
-HEADER = ("| converter | params | grads | AdamW | kept per block | peak (blocks measured) | peak (full depth) | "
-          "comm (blocks measured) | comm (full depth) |\n|---|---|---|---|---|---|---|---|---|")
+GB = 1e9
+HEADER = ("| converter | params MiB | grads MiB | AdamW MiB | kept per block MiB | peak MiB (blocks built) | "
+          "peak MiB (full depth) | attention / TSP comm GB | FSDP of blocks GB | comm GB per step |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides in SETS.items():
         if args.only and name != args.only:
             continue
-        print(f"\n{name}: {' '.join(overrides)} (MiB per rank)\n\n{HEADER}", flush=True)
+        print(f"\n{name}: {' '.join(overrides)} (per rank; comm at full depth, bytes received or sent)\n\n{HEADER}",
+              flush=True)
         for mode in MODES:
             print(row(mode, measure(mode, overrides)), flush=True)
     return 0

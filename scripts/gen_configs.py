@@ -216,6 +216,16 @@ def gpu_recipes() -> list[Recipe]:
     add(LLAMA3_8B, "llama3_8b", "upipe", 6 * M, 8)
     add(LLAMA3_8B, "llama3_8b", "upipe", 7 * M, 8, overrides={"activation_checkpoint": {"prefetch_after_attention": True}},
         note="inputs prefetched after the attention backward")
+    # TSP (issue 19): weights and sequence sharded over the 8 GPUs; tiled_mlp and fused_rope do not
+    # compose with it (its MLP is a weight ring; its attention rotates with the full table). Not yet
+    # run on a GPU: the suite's memory stage measures how far it fits (docs/tsp.md).
+    for seq in (128 * K, M, 2 * M):
+        path = f"configs/llama3_8b/tsp_{LENGTH_NAMES[seq]}.toml"
+        recipes.append(Recipe(path, LLAMA3_8B, "tsp", seq, 8, launch=_gpu_launch(8, path),
+                              description=f"Llama3-8B, tsp (CP 8), {LENGTH_NAMES[seq].upper()} tokens on 8 GPUs; "
+                                          "weights sharded over the 8 ranks, bf16, offloaded full AC, tiled RMSNorm, "
+                                          "fused CE; not yet measured on a GPU",
+                              extra_converters=("tiled_rmsnorm", "fused_ce"), offload=True))
     for method in ("usp", "upipe_usp"):
         for seq in (512 * K, M, 2 * M, 4 * M, 6 * M, 8 * M):
             add(LLAMA3_8B, "llama3_8b", method, seq, 16, ulysses=8)

@@ -1,6 +1,6 @@
 """GPU validation suite: everything the CPU test suite cannot show, on one CUDA GPU.
 
-    python -m titan_upipe.gpu_suite --stage kernels|memory|speed|all [--lengths 1M,2M] [--budget-s 540]
+    python -m titan_upipe.gpu_suite --stage kernels|memory|speed|tsp|all [--lengths 1M,2M] [--budget-s 540]
     python -m titan_upipe.gpu_suite --dry-run            # on any machine: arguments, configs, wheels, plan
     make gpu-suite STAGE=kernels                         # installs the carried wheels (.whl/) first
 
@@ -27,6 +27,10 @@ memory      the rank emulator (``python -m titan_upipe.emulate``, fake process g
 speed       one emulated step of 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M:
             the UPipe / Ulysses step-time ratio and tokens/s/GPU with modelled communication beside
             the paper's Table 3
+tsp         the rank emulator on TSP (issue 19), Llama3-8B over 8 GPUs with its recipes' converters at
+            128K-2M and upward until OOM: ``max_memory_allocated``/``reserved`` at full depth, the step
+            time with modelled communication and the bytes its collectives move (beside the memory
+            and speed stages' Ulysses and UPipe at the same lengths)
 =========== ========================================================================================
 
 A call runs its runs in order while the next one's estimate fits before the call's deadline,
@@ -67,7 +71,7 @@ from titan_upipe.train import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
-STAGES = ("kernels", "memory", "speed")
+STAGES = ("kernels", "memory", "speed", "tsp")
 DEFAULT_BUDGET_S = 540
 
 K, M = 1024, 1024 * 1024
@@ -77,6 +81,8 @@ MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
 """128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
 MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
 SPEED_LENGTHS = ("128K", "1M", "2M")
+TSP_LENGTHS = ("128K", "1M", "2M", "3M", "4M")
+"""TSP (issue 19) on Llama3-8B over 8 GPUs: its recipes (128K-2M), then upward until it no longer fits."""
 MEMORY_LAYERS = 2
 """Blocks the memory runs build (the emulator extrapolates to the flavor's depth; it needs >= 2)."""
 STARTUP_S = 30.0
@@ -131,7 +137,8 @@ def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
 def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Run:
     # a shipped recipe of this length where there is one (128K-5M; UPipe's 6M and 7M recipes add
     # the issue-18 levers), else the 5M recipe with a longer seq_len
-    recipe = length if (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists() else "5M"
+    longest = "2M" if method == "tsp" else "5M"
+    recipe = length if (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists() else longest
     extra = () if length == recipe else ("--training.seq_len", str(LENGTHS[length]))
     return Run(stage, f"llama3_8b {method} {length}", _emulator(f"configs/llama3_8b/{method}_{recipe.lower()}.toml",
                                                               8, *extra),
@@ -161,6 +168,8 @@ def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
     if stage == "speed":
         return [_llama_run("speed", method, length) for length in wanted(SPEED_LENGTHS)
                 for method in ("ulysses", "upipe")]
+    if stage == "tsp":
+        return [_llama_run("tsp", "tsp", length, stop_group="tsp") for length in wanted(TSP_LENGTHS)]
     raise ValueError(f"unknown stage {stage!r}: valid stages are {', '.join(STAGES)}, all")
 
 
@@ -280,7 +289,24 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-TABLES = {"kernels": _kernel_table, "memory": _memory_table, "speed": _speed_table}
+def _tsp_table(results: list[dict]) -> list[str]:
+    lines = ["| length | max allocated GiB (full) | max reserved GiB (full) | step s (full, modelled comm.) | "
+             "TSP collectives GB per step (received) |", "|---|---|---|---|---|"]
+    for r in results:
+        m = r.get("measurement") or {}
+        full = m.get("full") or {}
+        if r.get("oom"):
+            lines.append(f"| {r['length']} | OOM | OOM | - | - |")
+            continue
+        step = full.get("modeled_step_time_s")
+        comm = full.get("p2p_bytes")
+        lines.append(f"| {r['length']} | {_gib(full.get('device_peak_allocated_bytes'))} | "
+                     f"{_gib(full.get('device_peak_reserved_bytes'))} | {_fmt(step)} | "
+                     f"{_fmt(None if comm is None else comm / 1e9, '.1f')} |")
+    return lines
+
+
+TABLES = {"kernels": _kernel_table, "memory": _memory_table, "speed": _speed_table, "tsp": _tsp_table}
 
 
 # --- running emulator stages -----------------------------------------------------------------
