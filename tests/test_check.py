@@ -13,16 +13,16 @@ from trainer_utils import REPO
 
 from titan_upipe.check import relative_error
 
-# (config, ranks, overrides): every CP mode's debug config. The 2-D ones need 4 ranks; Ulysses and
-# the ring run at CP 2 (4 ranks on the 2-core CI machine cost twice the time and exercise no other
-# code path of theirs); UPipe runs in qwen3_upipe and llama3_upipe_transforms (UPipe with C = 4 >
-# KV heads: test_train_e2e[upipe-cp4], through the trainer).
+# (config, ranks, overrides): the check through torchrun. The other CP modes' configs run in-process
+# on the shared rank pools (no torchrun start on the 2-core CI machine): USP and UPipe with C = 4 >
+# KV heads (test_parity_check_in_process), qwen3_upipe in bf16, TSP (test_parity_check_tsp); Ulysses
+# and the ring at CP 2 through the trainer (test_train_e2e).
 PARITY_CONFIGS = [
     # Plain Ulysses and ring run through the real trainer against one rank (test_train_e2e), and
     # qwen3_upipe through the bf16 check below: the check tool's own paths are the 2-D layouts
-    # (ring inside Ulysses here; UPipe inside USP in test_parity_check_with_packed_documents and,
-    # at 2 x 2, through the trainer: test_train_e2e[upipe-in-usp-u2r2]) and the memory transforms.
-    ("configs/debug/usp.toml", 4, ()),
+    # (ring inside Ulysses: test_parity_check_in_process; UPipe inside USP in
+    # test_parity_check_with_packed_documents and, at 2 x 2, through the trainer:
+    # test_train_e2e[upipe-in-usp-u2r2]) and the memory transforms, here through torchrun.
     ("configs/debug/llama3_upipe_transforms.toml", 2, ()),
 ]
 
@@ -42,10 +42,39 @@ def test_parity_check_passes(config, nproc, overrides):
     assert "gradients:" in proc.stdout
 
 
+def _check_in_pool(rank, world, mesh, config, *extra):
+    """``run_check`` on a rank of the shared pool (no torchrun start); (exit code, rank 0's report)."""
+    import contextlib
+    import io
+
+    from titan_upipe.check import run_check
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run_check(["--job.config_file", str(REPO / config), "--seq-len", "64", *extra])
+    return code, out.getvalue()
+
+
+IN_PROCESS_CONFIGS = [
+    # USP: ring 2 x Ulysses 2 on a 2-D mesh
+    ("configs/debug/usp.toml", 4),
+    # UPipe at C = 4 > 2 KV heads (K/V replicated over the Ulysses ranks), U = C
+    ("configs/debug/upipe.toml", 4),
+]
+
+
+@pytest.mark.parametrize("config,nproc", IN_PROCESS_CONFIGS, ids=[c for c, _ in IN_PROCESS_CONFIGS])
+def test_parity_check_in_process(config, nproc):
+    results = run_distributed(nproc, _check_in_pool, config)
+    assert [code for code, _ in results] == [0] * nproc, results[0][1][-3000:]
+    assert "PARITY OK" in results[0][1] and "gradients:" in results[0][1]
+
+
 def test_parity_check_bf16_reports_nonzero_errors_within_tolerance():
-    proc = _run_check("configs/debug/qwen3_upipe.toml", 2, "--dtype", "bfloat16")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    results = run_distributed(2, _check_in_pool, "configs/debug/qwen3_upipe.toml", "--dtype", "bfloat16")
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+    lines = results[0][1].splitlines()
     # Without fused_rope the converted attention keeps TorchTitan's op order: the forward is
     # bit-exact even in bf16. Its backward sums stages in fp32 where autograd rounds to bf16,
     # so the gradients differ: bf16 rounding is visible there, the comparison is live.
