@@ -60,9 +60,9 @@ CP_CASES = [
     ("configs/debug/llama3_ulysses.toml", 2, 2, ("--training.local_batch_size", "4")),
     # CP = 2 inside, data parallel 2 outside, U = 2C = 4
     ("configs/debug/llama3_upipe.toml", 4, 2, ("--training.local_batch_size", "2", "--upipe.heads_per_stage", "4")),
-    # USP: Ulysses 2 (inner) x zigzag ring 2 (outer), tokens/labels/positions sharded zigzag
-    ("configs/debug/llama3_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
-    # UPipe inside USP: stages of U = 2 heads, each stage's attention a ring over 2
+    # UPipe inside USP: stages of U = 2 heads, each stage's attention a ring over 2, on the 2-D
+    # ("ring", "ulysses") mesh plain USP uses too (tokens/labels/positions sharded zigzag over the
+    # ring, contiguous over Ulysses); USP's attention itself: test_check's in-process parity check
     ("configs/debug/llama3_upipe_usp.toml", 4, 4, ("--training.local_batch_size", "4")),
     # TSP: weights sharded over the 2 CP ranks (DTensors outside FSDP), zigzag tokens, GQA 8 / 2
     ("configs/debug/tsp.toml", 2, 2, ("--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
@@ -71,8 +71,7 @@ CP_CASES = [
 
 
 @pytest.mark.parametrize("config, ranks, cp, overrides", CP_CASES,
-                         ids=["ring-cp2", "ulysses-cp2", "upipe-cp2-dp2-u4", "usp-u2r2",
-                              "upipe-in-usp-u2r2", "tsp-cp2"])
+                         ids=["ring-cp2", "ulysses-cp2", "upipe-cp2-dp2-u4", "upipe-in-usp-u2r2", "tsp-cp2"])
 def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, llama3_two_ranks, tmp_path, config, ranks,
                                            cp, overrides):
     """Training and validation losses of every CP layout equal one rank's, and the counters
