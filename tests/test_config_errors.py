@@ -36,6 +36,8 @@ CASES = [
       "tsp,tiled_mlp"), 4,
      r"^TSP degree 4 does not divide the 2 KV heads \(each rank owns K/D KV heads, .*use one of 1, 2; "
      r"model.converters has 'tsp' and 'tiled_mlp': .*; remove 'tiled_mlp'$"),
+    ("tsp-cpu-offload", str(REPO / "configs/debug/tsp.toml"), ("--training.enable_cpu_offload",), 4,
+     r"^training.enable_cpu_offload with tsp is not supported .*: set training.enable_cpu_offload = false$"),
     ("tsp-data-parallel", str(REPO / "configs/debug/tsp.toml"), ("--parallelism.context_parallel_degree", "2"), 4,
      r"^tsp shards the blocks' weights over the CP ranks; data parallelism on top .* "
      r"\(world size = context_parallel_degree\)$"),

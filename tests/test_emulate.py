@@ -44,6 +44,7 @@ VALIDATED = [
     ("configs/debug/llama3_upipe_transforms.toml", 2),
 ]
 TOLERANCE = 0.05
+TSP = "configs/debug/tsp.toml"  # llama3 debug_kv4 (8 / 4 heads, FFN 384), TSP over 4 ranks, no AC
 
 REQUIRED_KEYS = {
     "peak_bytes", "total_peak_bytes", "baseline_bytes", "state_bytes", "param_bytes", "grad_bytes",
@@ -81,6 +82,7 @@ def emulated() -> dict[str, dict]:
     """The first config through the CLI (its JSON report), the others by ``measure_step`` in one
     process (the same measurement: one interpreter start instead of three on the CI machine)."""
     (first, first_world), *rest = VALIDATED
+    rest += [(TSP, 4)]
     records = {first: _emulate_cli(first, first_world)}
     specs = [(config, world, ["--job.config_file", str(REPO / config), "--training.seq_len", str(SEQ_LEN)])
              for config, world in rest]
@@ -304,3 +306,17 @@ def test_block_causal_flavors_are_emulated_with_their_documents():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["documents"] and "block_causal" in result["report"]
     assert result["calls"] and all(n == 5 for n in result["calls"]), result  # EOS at 0, 32, 33, 65: 5 documents
+
+
+def test_tsp_communication_is_its_exact_per_layer_count(emulated):
+    """TSP's modelled bytes are what its collectives deliver to a rank (``tsp.comm.layer_comm_bytes``,
+    equal to the bytes counted on gloo in tests/test_tsp.py), per layer, forward and backward once
+    (no AC), over the model's 2 blocks; no all-to-all."""
+    from titan_upipe.tsp import TSPShards, layer_comm_bytes
+
+    record = emulated[TSP]
+    assert record["cp_mode"] == "tsp" and record["a2a_bytes"] == 0
+    layer = layer_comm_bytes(TSPShards(n_heads=8, n_kv_heads=4, head_dim=16, ffn_dim=384, degree=4), dim=128, batch=2,
+                             seq_len=SEQ_LEN, beta=4)
+    assert record["p2p_bytes"] == 2 * sum(layer.values())
+    assert record["state_bytes"] > 0 and record["grad_bytes"] == record["param_bytes"]  # each weight's own gradient

@@ -95,9 +95,6 @@ def apply_fsdp_beside_tsp(model: nn.Module, mesh, job_config: JobConfig, tsp_wei
     if policy not in ("default", "always", "never"):
         raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: valid values are default, always, "
                           "never")
-    if job_config.training.enable_cpu_offload:
-        raise ConfigError("training.enable_cpu_offload with tsp is not supported (FSDP does not manage the TSP-"
-                          "sharded weights): set training.enable_cpu_offload = false")
     reshard = policy != "never"
     config = {"mesh": mesh, "ignored_params": tsp_weights,
               "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],

@@ -220,8 +220,8 @@ TSP_CONFLICTS = {
 
 def check_tsp(job_config, world_size: int) -> None:
     """``model.converters = ["tsp"]``: the degree splits the query heads, the KV heads and the FFN
-    width, every sequence length is a multiple of ``2 D``, ``[tsp]`` fits, and nothing it does not
-    compose with is set (module ``titan_upipe.tsp``); every problem in one ConfigError."""
+    width, ``[tsp]`` fits, and nothing it does not compose with is set (module ``titan_upipe.tsp``);
+    every problem in one ConfigError. Sequence lengths (multiples of ``2 D``) are CPLayout's."""
     converters = list(job_config.model.converters)
     if cp_mode(converters) != CPMode.TSP:
         return
@@ -229,11 +229,8 @@ def check_tsp(job_config, world_size: int) -> None:
     degree = par.context_parallel_degree
     args = flavor_args(job_config, update=False)
     n_heads, n_kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
-    problems = tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree, job_config.training.seq_len)
-    if job_config.validation.enable:
-        problems += [p.replace("sequence length", "validation.seq_len", 1)
-                     for p in tsp_problems(n_heads, n_kv_heads, 1, degree, job_config.validation.seq_len)
-                     if p.startswith("sequence length")]
+    # sequence lengths: CPLayout's 2 x degree (check_context_parallel, check_validation)
+    problems = tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree)
     bucket, kv_per_rank = job_config.tsp.kv_heads_per_bucket, n_kv_heads // degree
     if bucket and kv_per_rank and kv_per_rank % bucket:
         problems.append(f"tsp.kv_heads_per_bucket = {bucket} does not divide the {kv_per_rank} KV heads per rank "
@@ -244,6 +241,9 @@ def check_tsp(job_config, world_size: int) -> None:
         problems.append("tsp shards the blocks' weights over the CP ranks; data parallelism on top (FSDP of those "
                         "shards over more ranks) is not built yet: set parallelism.data_parallel_shard_degree = 1 "
                         "and data_parallel_replicate_degree = 1 (world size = context_parallel_degree)")
+    if job_config.training.enable_cpu_offload:
+        problems.append("training.enable_cpu_offload with tsp is not supported (FSDP's parameter offload does not "
+                        "manage the TSP-sharded weights): set training.enable_cpu_offload = false")
     if getattr(job_config.optimizer, "state_on_host", False):
         problems.append("optimizer.state_on_host with tsp is not supported yet (its sharded weights are DTensors "
                         "on the TSP mesh, not FSDP shards): set optimizer.state_on_host = false")
