@@ -229,3 +229,25 @@ def test_prefetch_after_attention_needs_offloaded_checkpointing():
         check_job(job("--activation_checkpoint.prefetch_after_attention"), world_size=2)
     check_job(job("--activation_checkpoint.prefetch_after_attention",
                   config="configs/debug/llama3_upipe_transforms.toml"), world_size=2)  # full AC, offloaded
+
+
+TSP = "configs/debug/tsp.toml"  # llama3 debug_kv4: 8 query heads, 4 KV heads, FFN 384, CP = 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("--tsp.kv_heads_per_bucket", "3"), r"tsp.kv_heads_per_bucket = 3 does not divide the 1 KV heads per rank"),
+        (("--model.converters", "tsp,fused_rope"), r"'tsp' and 'fused_rope': .*full RoPE table; remove 'fused_rope'$"),
+        (("--optimizer.state_on_host",), r"optimizer.state_on_host with tsp is not supported yet"),
+        (("--model.flavor", "debug_flex", "--training.dataset", "synthetic_docs", "--parallelism.context_parallel_degree",
+          "2"), r"under tsp: TSP attention is causal over the whole sequence \(no document masks yet\)"),
+        (("--model.flavor", "debug_mha", "--parallelism.context_parallel_degree", "3", "--training.seq_len", "510"),
+         r"^TSP degree 3 does not divide the 8 query heads.*; TSP degree 3 does not divide the 8 KV heads"),
+    ],
+)
+def test_invalid_tsp_jobs_name_the_fix(overrides, message):
+    config = job(*overrides, config=TSP)
+    with pytest.raises(ConfigError, match=message):
+        check_job(config, world_size=config.parallelism.context_parallel_degree)
+    check_job(job(config=TSP), world_size=4)  # and the committed config passes
