@@ -55,26 +55,25 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
         apply_compile(model, job_config.compile)
 
     tsp_weights = tsp_sharded_parameters(model)
-    if parallel_dims.fsdp_enabled and tsp_weights:
-        apply_fsdp_beside_tsp(model, parallel_dims.get_mesh("fsdp"), job_config, set(tsp_weights))
+    if parallel_dims.fsdp_enabled:
+        if tsp_weights:
+            apply_fsdp_beside_tsp(model, parallel_dims.get_mesh("fsdp"), job_config, set(tsp_weights))
+            applied = f"the CP ranks, every parameter but the {len(tsp_weights)} TSP-sharded weights"
+        else:
+            names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+            apply_fsdp(
+                model,
+                parallel_dims.get_mesh(names),
+                param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+                reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+                pp_enabled=False,
+                cpu_offload=job_config.training.enable_cpu_offload,
+                reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+            )
+            applied = str(names)
         if cpu_runtime.is_active():
             cpu_runtime.force_sum_reductions(model)
-        logger.info("Applied FSDP over the CP ranks to every parameter but the %d TSP-sharded weights",
-                    len(tsp_weights))
-    elif parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        apply_fsdp(
-            model,
-            parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-            pp_enabled=False,
-            cpu_offload=job_config.training.enable_cpu_offload,
-            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-        )
-        if cpu_runtime.is_active():
-            cpu_runtime.force_sum_reductions(model)
-        logger.info("Applied FSDP over %s", names)
+        logger.info("Applied FSDP over %s", applied)
     elif parallel_dims.dp_replicate_enabled:
         raise ConfigError(
             "parallelism.data_parallel_replicate_degree > 1 without sharding (DDP) is not supported "
