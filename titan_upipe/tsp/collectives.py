@@ -1,11 +1,12 @@
 """Differentiable collectives of a TSP group, each with its adjoint as the backward.
 
-=======================  ===========================================  ==================================
-forward                  backward (the adjoint)                       cross-rank sum
-=======================  ===========================================  ==================================
-broadcast from ``r``     reduce of every rank's gradient to ``r``     fp32
-all-gather along ``S``   reduce-scatter (all-to-all + local sum)      fp32
-=======================  ===========================================  ==================================
+==================================  ===========================================  ==================
+forward                             backward (the adjoint)                       cross-rank sum
+==================================  ===========================================  ==================
+``broadcast_from`` owner ``r``      reduce of every rank's gradient to ``r``     fp32
+``start_all_gather`` along ``S``    ``reduce_scatter_stacked`` (all-to-all +     fp32
+                                    local sum; ``tsp.attention`` pairs them)
+==================================  ===========================================  ==================
 
 ``shift`` (send to ``p + step``, receive from ``p - step``) is the MLP ring's move; the ring MLP's
 own backward (``tsp.mlp``) sends its fp32 gradient accumulator the other way.
@@ -134,36 +135,14 @@ def broadcast_from(local: Tensor, src: int, group: dist.ProcessGroup | None, log
     return _BroadcastFrom.apply(local, src, group, log, dtype, pending)
 
 
-class _AllGatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: Tensor, group: dist.ProcessGroup, log: CommLog | None, pending: Pending | None) -> Tensor:
-        ctx.group, ctx.log = group, log
-        gathered = (pending or start_all_gather(local, group)).wait()
-        record(log, "forward", "all_gather", (gathered.shape[0] - 1) * nbytes(gathered[0]))
-        return gathered
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return reduce_scatter_stacked(grad, ctx.group, ctx.log).to(grad.dtype), None, None, None
-
-
 def reduce_scatter_stacked(grad: Tensor, group: dist.ProcessGroup, log: CommLog | None = None) -> Tensor:
     """``sum_r grad_r[p]`` in fp32 on rank ``p``, from every rank's ``grad [D, ...]`` (the adjoint of
-    ``all_gather_stacked``): an all-to-all of the fp32 chunks and a local sum."""
+    ``start_all_gather``): an all-to-all of the fp32 chunks and a local sum."""
     send = grad.float().contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # chunk j to rank j: every rank's grad of my shard
     record(log, "backward", "reduce_scatter", nbytes(send) - nbytes(send[0]))
     return recv.sum(dim=0)
-
-
-def all_gather_stacked(local: Tensor, group: dist.ProcessGroup | None, log: CommLog | None = None,
-                       pending: Pending | None = None) -> Tensor:
-    """``[D, *local.shape]``: every rank's ``local`` in rank order; the gradient is reduce-scattered.
-    ``pending``: this all-gather of ``local``, already started (``start_all_gather``)."""
-    if _size(group) == 1:
-        return local.unsqueeze(0)
-    return _AllGatherSequence.apply(local, group, log, pending)
 
 
 def shift(t: Tensor, group: dist.ProcessGroup, step: int) -> Tensor:
