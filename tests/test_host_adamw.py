@@ -82,6 +82,62 @@ def test_checkpoints_load_into_either_class(impl):
     assert loaded.device.type == "cpu"
 
 
+def _strided_params(layout: str) -> list[torch.nn.Parameter]:
+    """Parameters whose memory order is not their logical order (plus a contiguous one beside)."""
+    torch.manual_seed(0)
+    if layout == "transposed":
+        strided = torch.randn(4, 5).t()  # (5, 4), strides (1, 5)
+    else:  # a conv weight in channels-last
+        strided = torch.randn(3, 4, 2, 5).to(memory_format=torch.channels_last)
+    assert not strided.is_contiguous()
+    return [torch.nn.Parameter(strided), torch.nn.Parameter(torch.randn(6))]
+
+
+def _train_params(params, optimizer, steps: int, seed: int) -> None:
+    """Gradients from autograd, so each has its parameter's strides (AccumulateGrad's layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        sum((p * torch.randn(p.shape, generator=gen)).square().sum() for p in params).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_strided_parameters_equal_torch_adamw_and_checkpoints_move_both_ways(impl, layout):
+    """A non-contiguous parameter: 3 steps bit-equal to torch.optim.AdamW (parameters, moments and
+    their strides), then each state dict loaded into the other class continues bit for bit for 2 more
+    steps. The fused kernel walks memory: moments viewed contiguously beside a transposed parameter
+    were a permutation of torch's, and a checkpoint moved to torch's AdamW resumed with them."""
+    host_params, torch_params = _strided_params(layout), _strided_params(layout)
+    host = HostStateAdamW(host_params, **_kwargs(impl))
+    plain = torch.optim.AdamW(torch_params, **_kwargs(impl))
+    _train_params(host_params, host, 3, seed=1)
+    _train_params(torch_params, plain, 3, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(host_params, torch_params, strict=True))
+    assert _states_equal(host, plain)
+    for a, b in zip(host_params, torch_params, strict=True):
+        assert all(host.state[a][k].stride() == plain.state[b][k].stride() == a.stride()
+                   for k in ("exp_avg", "exp_avg_sq"))
+    # host state -> torch AdamW, torch state -> host state; every run continues 2 steps
+    host_to_torch_params = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format))
+                            for p in host_params]
+    torch_to_host_params = [torch.nn.Parameter(p.detach().clone(memory_format=torch.preserve_format))
+                            for p in torch_params]
+    host_to_torch = torch.optim.AdamW(host_to_torch_params, **_kwargs(impl))
+    host_to_torch.load_state_dict(copy.deepcopy(host.state_dict()))
+    torch_to_host = HostStateAdamW(torch_to_host_params, **_kwargs(impl))
+    torch_to_host.load_state_dict(copy.deepcopy(plain.state_dict()))
+    runs = ((host_params, host), (host_to_torch_params, host_to_torch), (torch_params, plain),
+            (torch_to_host_params, torch_to_host))
+    for params, optimizer in runs:
+        _train_params(params, optimizer, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(host_params, host_to_torch_params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(torch_params, torch_to_host_params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(host_params, torch_params, strict=True))
+    assert _states_equal(host, host_to_torch) and _states_equal(plain, torch_to_host)
+
+
 @pytest.mark.parametrize("impl,temporaries", [("fused", 0), ("foreach", 1), ("for-loop", 2)])
 def test_moments_on_host_and_the_step_transient_is_the_work_buffers(impl, temporaries):
     """Measured: a steady-state step allocates the two work buffers of the largest parameter

@@ -12,7 +12,9 @@ so the device holds, besides parameters and gradients, two work buffers of ``max
 each (``2 x 4 max_p n`` bytes: Llama3-8B over 8 ranks, the embedding shard, 0.49 GiB) instead of
 ``8 sum_p n`` bytes (7.48 GiB). The update is torch's AdamW function with the group's settings on
 the same tensors' values, elementwise, so parameters and state equal ``torch.optim.AdamW``'s with
-the same ``foreach``/``fused`` setting bit for bit (``tests/test_host_adamw.py``). Copies run on
+the same ``foreach``/``fused`` setting bit for bit (``tests/test_host_adamw.py``; the moments and
+work buffers have AdamW's strides for the parameter, which the fused kernel's memory-order walk
+needs for a transposed or channels-last parameter). Copies run on
 the current stream, in order, and the step ends with a synchronize: the host state is complete
 when ``step`` returns (a checkpoint reads it). At 16 bytes moved per element, an 8B model's
 1.0 G elements per rank move in about 0.7 s over a 25 GB/s link, against steps of minutes at
@@ -40,11 +42,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _state_strides(local: torch.Tensor) -> tuple[int, ...]:
+    """The strides ``torch.optim.AdamW`` gives a parameter's moments: ``zeros_like(p,
+    memory_format=torch.preserve_format)`` keeps a dense parameter's (transposed, channels-last),
+    and is contiguous for any other. Host state and work buffers both take them: the fused kernel
+    walks the parameter, gradient and moments in memory order, so their strides must agree."""
+    return torch.empty_like(local, device="meta", memory_format=torch.preserve_format).stride()
+
+
 def _host_like(p: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
-    """A host tensor shaped like ``p`` (its local shard, wrapped as a DTensor with ``p``'s mesh and
-    placements when ``p`` is one), pinned when ``p`` is on CUDA; zeros, or a copy of ``value``."""
+    """A host tensor shaped like ``p`` with AdamW's moment strides (its local shard, wrapped as a
+    DTensor with ``p``'s mesh and placements when ``p`` is one), pinned when ``p`` is on CUDA;
+    zeros, or a copy of ``value``."""
     local = _local(p)
-    host = torch.empty_strided(local.size(), local.stride(), dtype=local.dtype, device="cpu",
+    host = torch.empty_strided(local.size(), _state_strides(local), dtype=local.dtype, device="cpu",
                                pin_memory=local.device.type == "cuda")
     if value is None:
         host.zero_()
@@ -126,7 +137,10 @@ class HostStateAdamW(torch.optim.AdamW):
             for p in params:
                 state = self._init_state(group, p)
                 local = _local(p)
-                work = [buf[: local.numel()].view(local.shape)
+                # the moments' strides (a contiguous view of a strided parameter would pair each
+                # element with another's moments in the fused kernel's memory-order walk)
+                strides = _state_strides(local)
+                work = [buf[: local.numel()].as_strided(local.shape, strides)
                         for buf in buffers[(local.device, local.dtype)]]
                 for buf, key in zip(work, keys, strict=True):
                     buf.copy_(_local(state[key]), non_blocking=True)
