@@ -7,6 +7,7 @@ shards         ``TSPShards``: which heads / hidden units each rank owns, packing
 collectives    differentiable broadcast and sequence all-gather (fp32 adjoints), the ring's shift;
                ``CommLog``: bytes a rank receives
 comm           ``layer_comm_bytes`` (this implementation, exact) and the paper's eqs. 14-16
+grad_sum       ``fp32_summed_uses``: a tensor used once per owner, its gradient summed in fp32
 attention      ``tsp_attention``: Algorithm 1 (packed-shard broadcast, K/V all-gather in
                head buckets, zigzag causal attention, ``Y += A Wo^T``)
 mlp            ``tsp_gated_mlp``: Algorithm 2 (weight ring, local output accumulation; fp32

@@ -15,9 +15,10 @@ gathers it again, so one bucket's is alive at a time.
 
 Backward: the broadcast's gradient is reduced to the owner in fp32 (each weight gradient ends at
 its owning rank, ``tsp.collectives``); dK/dV over the sequence are summed in fp32 and
-reduce-scattered to the tokens' ranks. Parameters outside the shards (qk-norm weights) are
-replicated: each rank returns its tokens' share, and the caller sums them over the group like
-any replicated parameter.
+reduce-scattered to the tokens' ranks. ``X`` and the qk-norm weights are used once per owner:
+their gradients are summed over the ``D`` owners in fp32 and rounded once (``tsp.grad_sum``).
+Parameters outside the shards (qk-norm weights) are replicated: each rank returns its tokens'
+share, and the caller sums them over the group like any replicated parameter.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from titan_upipe.tsp.collectives import (
     start_all_gather,
     start_broadcast,
 )
+from titan_upipe.tsp.grad_sum import fp32_summed_uses
 from titan_upipe.tsp.shards import TSPShards
 
 Tensor = torch.Tensor
@@ -166,18 +168,22 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
     def start_weights(owner: int) -> Pending | None:
         return start_broadcast(packed, owner, group, x.dtype) if overlap and owner < shards.degree else None
 
+    # x and the qk-norm weights are used once per owner: their gradients sum over the owners in fp32
+    xs = fp32_summed_uses(x, shards.degree)
+    q_norms, k_norms = ((fp32_summed_uses(q_norm, shards.degree), fp32_summed_uses(k_norm, shards.degree))
+                        if q_norm is not None else ([None] * shards.degree,) * 2)
     y, next_weights = None, start_weights(0)
-    for owner in range(shards.degree):
+    for owner, (x_use, q_norm_use, k_norm_use) in enumerate(zip(xs, q_norms, k_norms, strict=True)):
         # The next owner's shard travels while this one's projections and attention run.
         weights, next_weights = next_weights, start_weights(owner + 1)
         wq, wk, wv, wo_t = shards.unpack_attention(broadcast_from(packed, owner, group, log, dtype=x.dtype,
                                                                   pending=weights))
-        q = F.linear(x, wq).view(b, local_len, shards.heads, hd)
-        k = F.linear(x, wk).view(b, local_len, kv_per_rank, hd)
-        v = F.linear(x, wv).view(b, local_len, kv_per_rank, hd)
+        q = F.linear(x_use, wq).view(b, local_len, shards.heads, hd)
+        k = F.linear(x_use, wk).view(b, local_len, kv_per_rank, hd)
+        v = F.linear(x_use, wv).view(b, local_len, kv_per_rank, hd)
         if q_norm is not None:
-            q = F.rms_norm(q, (hd,), q_norm, norm_eps)
-            k = F.rms_norm(k, (hd,), k_norm, norm_eps)
+            q = F.rms_norm(q, (hd,), q_norm_use, norm_eps)
+            k = F.rms_norm(k, (hd,), k_norm_use, norm_eps)
         q, k = rotate(q, rope_table, positions, rotary), rotate(k, rope_table, positions, rotary)
         starts = range(0, kv_per_rank, bucket)
         stacks = [torch.stack([k[:, :, i:i + bucket], v[:, :, i:i + bucket]]) for i in starts]  # [2, B, L, bk, hd]
