@@ -108,6 +108,29 @@ def test_unknown_mode() -> None:
         convert_attention(llama3(), "pipe", NoCommMesh(2))
 
 
+@pytest.mark.parametrize("mesh", [ring_mesh(2), NoCommMesh(2), usp_mesh(2, 2)], ids=["ring", "1-D", "usp"])
+@pytest.mark.parametrize("model", [llama3, qwen3])
+def test_tsp_is_not_an_attention_mode(model, mesh: NoCommMesh) -> None:
+    """tsp shards the attention's and the MLP's weights: convert_attention refuses it, on every mesh,
+    naming the tsp converter (it used to build a replicated-weight UPipe U = H / ring attention)."""
+    with pytest.raises(ConfigError, match=re.escape('convert_attention does not build TSP') + '.*'
+                       + re.escape('model.converters = ["tsp"]') + '.*convert_block'):
+        convert_attention(model(), "tsp", mesh)
+
+
+def test_a_context_parallel_attention_built_as_tsp_does_not_run() -> None:
+    """Built by hand under tsp's name, the plain module refuses its first forward instead of running
+    UPipe; TSPAttention (its own forward) is the only thing that runs as tsp."""
+    from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
+    from titan_upipe.attention.schedule import build_schedule
+
+    source = llama3()
+    layer = ContextParallelAttention(source, AttentionSpec.of(source), "tsp", NoCommMesh(1), build_schedule(8, 2, 1, 8),
+                                     "sdpa")
+    with pytest.raises(ConfigError, match="convert_attention does not build TSP"):
+        layer(torch.zeros(1, 4, 128), precompute_freqs_cis(16, 64), None)
+
+
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
 

@@ -31,13 +31,21 @@ from titan_upipe.attention.validation import (
     check_ring_sequence,
 )
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import check_cp_degree, check_mode, resolve_heads_per_stage
+from titan_upipe.parallel.cp_layout import CPMode, check_cp_degree, check_mode, resolve_heads_per_stage
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 from titan_upipe.parallel.sequence import layout_for
 
 Tensor = torch.Tensor
 
 SHARED_SUBMODULES = ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
+
+TSP_NOT_AN_ATTENTION_MODE = (
+    "convert_attention does not build TSP: TSP shards the attention's and the feed-forward's weights over "
+    "the ranks, so it converts whole blocks. Use model.converters = [\"tsp\"] (or, in code, "
+    "titan_upipe.tsp.modules.convert_block(block, mesh, backend) on a mesh from "
+    "titan_upipe.parallel.context_parallel_mesh(cp_mesh, \"tsp\")); convert_attention's modes are "
+    "ulysses, upipe, ring and usp")
+"""Why ``mode = "tsp"`` is refused here (it would run UPipe with U = H, or the ring, on replicated weights)."""
 
 
 @dataclass(frozen=True)
@@ -196,8 +204,12 @@ class ContextParallelAttention(nn.Module):
         if self.mode in ("ulysses", "ring", "usp"):
             # ring: Ulysses with one rank; usp: Ulysses whose kernel is the ring.
             return self.wo(ulysses_attention(x, *weights, run))
-        # UPipe applies wo itself: its backward forms dO one stage slice at a time, never whole.
-        return UPipeAttentionFunction.apply(x, *weights[:3], self.wo.weight, *norms, run)
+        if self.mode == "upipe":
+            # UPipe applies wo itself: its backward forms dO one stage slice at a time, never whole.
+            return UPipeAttentionFunction.apply(x, *weights[:3], self.wo.weight, *norms, run)
+        # tsp is its own module (TSPAttention overrides forward): never another mode under its name
+        raise ConfigError(TSP_NOT_AN_ATTENTION_MODE if self.mode == CPMode.TSP else
+                          f"ContextParallelAttention has no mode {self.mode!r}: ulysses, upipe, ring or usp")
 
 
 def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_per_stage: int | None = None,
@@ -221,6 +233,8 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     communication, raising ConfigError.
     """
     mode = check_mode(mode).value
+    if mode == CPMode.TSP:
+        raise ConfigError(TSP_NOT_AN_ATTENTION_MODE)
     ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
     check_mesh_for_mode(mode, ring_degree, ulysses_degree, cp_mesh.ndim, is_ring_mesh(cp_mesh))
     spec = AttentionSpec.of(module)
