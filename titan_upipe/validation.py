@@ -187,6 +187,12 @@ def model_heads(job_config) -> tuple[int, int]:
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
+def model_head_dim(job_config) -> int:
+    """The configured flavor's attention head dimension (Qwen3 sets it; Llama3's is dim / heads)."""
+    args = flavor_args(job_config, update=False)
+    return getattr(args, "head_dim", None) or args.dim // args.n_heads
+
+
 def cp_layout(job_config) -> CPLayout:
     """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``,
     the flavor's heads, ``training.seq_len``), validated; raises ConfigError."""
@@ -263,7 +269,7 @@ def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | 
     honours the merged out/lse."""
     layout = layout or cp_layout(job_config)
     return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=layout.has_ring,
-                          probe=probe)
+                          probe=probe, head_dim=model_head_dim(job_config))
 
 
 # ---------------------------------------------------------------------------- memory transforms

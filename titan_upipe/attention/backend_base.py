@@ -40,6 +40,12 @@ class LocalAttentionBackend(ABC):
         return None
 
     @classmethod
+    def head_dim_problem(cls, head_dim: int | None) -> str | None:
+        """None when the kernel runs heads of ``head_dim`` (or it is not known yet), else why not
+        (checked at conversion and before process groups, never first at a kernel call)."""
+        return None
+
+    @classmethod
     def dtype_problem(cls, dtype: torch.dtype | None) -> str | None:
         """None when the kernel runs ``dtype`` (or it is not known yet), else why not."""
         if dtype is None or cls.dtypes is None or dtype in cls.dtypes:

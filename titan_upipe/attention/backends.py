@@ -290,23 +290,24 @@ class BackendChoice:
         return f"attention backend auto -> {self.name}" + (f" (passed over {skipped})" if skipped else "")
 
 
-def _problem(cls: type[LocalAttentionBackend], dtype: torch.dtype | None, ring: bool, probe: bool) -> str | None:
+def _problem(cls: type[LocalAttentionBackend], dtype: torch.dtype | None, ring: bool, probe: bool,
+             head_dim: int | None = None) -> str | None:
     if ring and not cls.merged_backward:
         return (f"attention backend {cls.name!r} recomputes its block's softmax in backward instead of "
                 "using the merged out/lse, which ring attention needs: its ring/USP gradients would be wrong")
-    return cls.dtype_problem(dtype) or cls.unavailable_reason(probe)
+    return cls.dtype_problem(dtype) or cls.head_dim_problem(head_dim) or cls.unavailable_reason(probe)
 
 
 def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = False,
-                   probe: bool = True) -> BackendChoice:
-    """Resolve ``[upipe] attention_backend`` for inputs of ``dtype`` (None: not known yet) and,
-    with ``ring``, for ring/USP. ``auto`` takes the first usable name of ``AUTO_ORDER``; a
-    named backend that cannot run here raises ConfigError naming why and the valid choices.
-    ``probe=False``: no import, no CUDA query (see ``unavailable_reason``)."""
+                   probe: bool = True, head_dim: int | None = None) -> BackendChoice:
+    """Resolve ``[upipe] attention_backend`` for inputs of ``dtype`` and heads of ``head_dim``
+    (None: not known yet) and, with ``ring``, for ring/USP. ``auto`` takes the first usable name
+    of ``AUTO_ORDER``; a named backend that cannot run here raises ConfigError naming why and the
+    valid choices. ``probe=False``: no import, no CUDA query (see ``unavailable_reason``)."""
     if setting == AUTO:
         passed_over = []
         for name in AUTO_ORDER:
-            why = _problem(BACKENDS[name], dtype, ring, probe)
+            why = _problem(BACKENDS[name], dtype, ring, probe, head_dim)
             if why is None:
                 return BackendChoice(setting, name, tuple(passed_over))
             passed_over.append((name, why))
@@ -315,15 +316,17 @@ def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = 
     if setting not in BACKENDS:
         raise ConfigError(f"unknown attention backend {setting!r}: valid backends are "
                           f"{', '.join(BACKEND_SETTINGS)}")
-    why = _problem(BACKENDS[setting], dtype, ring, probe)
+    why = _problem(BACKENDS[setting], dtype, ring, probe, head_dim)
     if why is not None:
         raise ConfigError(f"attention backend {setting!r} is not usable here: {why}")
     return BackendChoice(setting, setting)
 
 
-def get_backend(name: str, dtype: torch.dtype | None = None, ring: bool = False) -> LocalAttentionBackend:
-    """Instantiate a backend by name (or ``auto``); unknown or unusable here raises ConfigError."""
-    return BACKENDS[choose_backend(name, dtype, ring).name]()
+def get_backend(name: str, dtype: torch.dtype | None = None, ring: bool = False,
+                head_dim: int | None = None) -> LocalAttentionBackend:
+    """Instantiate a backend by name (or ``auto``); unknown or unusable here (for ``dtype`` and
+    ``head_dim`` where given) raises ConfigError."""
+    return BACKENDS[choose_backend(name, dtype, ring, head_dim=head_dim).name]()
 
 
 def default_scale(head_dim: int) -> float:

@@ -119,7 +119,7 @@ class ContextParallelAttention(nn.Module):
         self.spec, self.mode, self.cp_mesh, self.schedule = spec, mode, cp_mesh, schedule
         self.ring_degree = ring_degree
         # Ring blocks need a backward that honours the merged out/lse: refused here otherwise.
-        self.backend = get_backend(backend, compute_dtype, ring=ring_degree > 1)
+        self.backend = get_backend(backend, compute_dtype, ring=ring_degree > 1, head_dim=spec.head_dim)
         self.block_rule = None
         """None: the causal block rule; tests replace it to show a wrong rule is caught."""
         self.document_plan = None
