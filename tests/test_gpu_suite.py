@@ -25,6 +25,8 @@ def test_dry_run_exits_0_and_lists_every_stage(capsys):
         assert f"stage {stage}:" in out
     assert "configs/llama3_8b/upipe_5m.toml" in out and "configs/qwen3_32b/upipe_usp_4m.toml" in out
     assert "wheels:" in out and "dry run: ready" in out
+    # the closure of the carried set, and what it means for FlashAttention-4 (tests/test_gpu_wheels.py)
+    assert "closure over the image's" in out and "flash_attn.cute.interface: would import" in out
 
 
 def test_dry_run_as_a_module_command():
@@ -236,7 +238,7 @@ def test_wheels_split_reassemble_and_verify(tmp_path):
     assert len(entry["parts"]) == 3 and not big.exists()
     assert all((tmp_path / p).stat().st_size <= 10_000 for p in entry["parts"])
     problems, _ = gpu_wheels.check_manifest(tmp_path)
-    assert any("flash_attn_4 is missing" in p for p in problems)  # the required set is checked
+    assert any("flash_attn_4-4.0.0b36" in p and "of the lock is missing" in p for p in problems)  # the lock is checked
     wheels = gpu_wheels.reassemble(tmp_path)
     assert big.read_bytes() == bytes(range(256)) * 100 and set(wheels) == {big, small}
     big.unlink()
@@ -277,29 +279,6 @@ def test_pythonpath_includes_what_pth_files_add(tmp_path):
     assert done.stdout.strip() == "7"
 
 
-def test_a_wheel_set_without_cutlass_cute_is_flagged(tmp_path):
-    """FlashAttention-4 imports ``cutlass.cute``; the CuTe DSL 4.8.1 wheels of our index have only
-    ``cutlass/_mlir`` (FA4 did not import on the H100, 2026-11-23): the dry run says so up front."""
-    import zipfile
-
-    def wheel(name: str, members: list[str]) -> None:
-        with zipfile.ZipFile(tmp_path / name, "w") as archive:
-            for member in members:
-                archive.writestr(member, "")
-
-    wheel("flash_attn_4-4.0.0b36-py3-none-any.whl", ["flash_attn/cute/interface.py"])
-    wheel("nvidia_cutlass_dsl_libs_base-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl",
-          ["nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/ir.py"])
-    gpu_wheels.split(tmp_path)
-    _, lines = gpu_wheels.check_manifest(tmp_path)
-    assert any(line.startswith("warning: flash-attn-4 imports cutlass.cute") for line in lines)
-    wheel("nvidia_cutlass_dsl_libs_base-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl",
-          ["nvidia_cutlass_dsl/dsl_packages/cutlass/cute/__init__.py"])
-    gpu_wheels.split(tmp_path)
-    _, lines = gpu_wheels.check_manifest(tmp_path)
-    assert not any(line.startswith("warning:") for line in lines)
-
-
 def test_planner_matches_the_h100_at_the_depth_it_ran(tmp_path):
     """The committed H100 memory reports, replanned by this checkout: at the depth the run built
     (2 blocks, no extrapolation on either side) the planner is within 1 % of
@@ -330,3 +309,20 @@ def test_planner_matches_the_h100_at_the_depth_it_ran(tmp_path):
                 assert abs(full_gap - run_gap - bias) < 0.01, (r["name"], full_gap, run_gap, bias)
         assert report.environment["planner columns recomputed"] == "test"
         assert any("planner GiB (same layers)" in line for line in report.markdown())
+
+
+def test_a_gpu_run_rewrites_the_image_list_from_the_machine(tmp_path, monkeypatch):
+    """``pip list --format=freeze`` of the interpreter itself, with ``PYTHONPATH`` (the carried
+    wheels, this checkout) off the path, over the committed list and into the report folder."""
+    committed = tmp_path / "gpu_image_packages.txt"
+    monkeypatch.setattr(gpu_suite, "IMAGE_PACKAGES", committed)
+    carried = tmp_path / "carried" / "zz_carried_wheel-1.0.dist-info"
+    carried.mkdir(parents=True)
+    (carried / "METADATA").write_text("Metadata-Version: 2.1\nName: zz-carried-wheel\nVersion: 1.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(carried.parent))
+    listed = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
+    assert "zz-carried-wheel==1.0" in listed.stdout  # on the path, pip would list it
+    copy = gpu_suite.refresh_image_packages(tmp_path / "out")
+    image = gpu_wheels.read_image(committed)
+    assert image["torch"] is not None and "pytest" in image and "zz-carried-wheel" not in image
+    assert copy.read_text() == committed.read_text() and copy.parent == tmp_path / "out"

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from titan_upipe.gpu_kernels import run_kernel_checks
-from titan_upipe.gpu_wheels import check_manifest
+from titan_upipe.gpu_wheels import IMAGE_PACKAGES, check_closure, check_manifest, write_image
 from titan_upipe.paper_tables import paper_value
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
@@ -480,10 +480,29 @@ def dry_run(args: argparse.Namespace) -> list[str]:
                     problems.append(f"{run.name}: {config} does not parse: {exc}")
         if stage != "kernels" and not now:
             problems.append(f"stage {stage}: no run fits --budget-s {args.budget_s:g}")
-    wheel_problems, wheel_lines = check_manifest(REPO / ".whl")
-    print("\n".join(wheel_lines))
-    problems += wheel_problems
+    for check in (check_closure, lambda: check_manifest(REPO / ".whl")):
+        wheel_problems, wheel_lines = check()
+        print("\n".join(wheel_lines))
+        problems += wheel_problems
     return problems
+
+
+def refresh_image_packages(out: Path) -> Path:
+    """The machine's own packages (``pip list --format=freeze`` without the carried wheels or this
+    checkout on the path) written over ``docs/data/gpu_image_packages.txt`` and into ``out`` (the
+    folder that comes back from a device machine), so the wheel closure is checked against the
+    image as it is."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    freeze = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                            env=env, cwd="/", timeout=120, check=True).stdout
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node()
+    write_image(freeze, IMAGE_PACKAGES, f"{device}, {when}")
+    out.mkdir(parents=True, exist_ok=True)
+    copy = out / IMAGE_PACKAGES.name
+    if copy.resolve() != IMAGE_PACKAGES.resolve():
+        copy.write_text(IMAGE_PACKAGES.read_text())
+    return copy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
               "the arguments, configs, wheels and plan", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
+    print(f"image packages: {refresh_image_packages(Path(args.out))}", flush=True)
     if args.stage == "all":
         return run_all_in_children(args, deadline)
     report = run_stage(args.stage, args, argv, deadline=deadline)
