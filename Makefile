@@ -7,7 +7,7 @@ NPROC ?= 2
 RUN_CONFIG ?= configs/debug/llama3_upipe.toml
 RUN_ARGS ?=
 
-.PHONY: install test run lint clean bench-attention bench-memory gpu-suite
+.PHONY: install test run lint clean bench-attention bench-memory gpu-suite fa4-compile
 
 install: $(STAMP)
 
@@ -49,6 +49,27 @@ bench-memory: $(STAMP)
 STAGE ?= all
 gpu-suite:
 	scripts/gpu_suite.sh --stage $(STAGE) $(GPU_SUITE_ARGS)
+
+# FlashAttention-4's binding compiled for Hopper (sm_90a) with no GPU: every call FlashAttn4Backend makes,
+# under torch's FakeTensorMode (tests/test_fa4_compile.py, docs/attention.md; ~40 s on 2 cores). Installs
+# the [gpu] extra as pip resolves it, but for nvidia-cutlass-dsl-libs-cu12: the CuTe DSL metapackage
+# requires that CUDA 12 compiler (92 MB) unconditionally, one compiler flavor suffices and the GPU
+# machines (CUDA 13) load libs-cu13, so the lock (docs/data/gpu_wheels.json) leaves cu12 out and so
+# does this: pip resolves (--dry-run --report, metadata only), then installs that list --no-deps.
+# TITAN_UPIPE_REQUIRE_FA4=1: a flash-attn-4 that is missing or does not import fails, never skips.
+FA4_STAMP := $(VENV)/.fa4-installed
+GPU_EXTRA_REPORT := $(VENV)/gpu-extra-report.json
+
+$(FA4_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet --dry-run --report $(GPU_EXTRA_REPORT) -e ".[gpu]"
+	$(BIN)/python -c 'import json, sys; wheels = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]; \
+		print("\n".join(m["name"] + "==" + m["version"] for m in wheels if m["name"].replace("_", "-") not in sys.argv[2:]))' \
+		$(GPU_EXTRA_REPORT) titan-upipe nvidia-cutlass-dsl-libs-cu12 > $(VENV)/gpu-extra.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r $(VENV)/gpu-extra.txt
+	touch $(FA4_STAMP)
+
+fa4-compile: $(FA4_STAMP)
+	TITAN_UPIPE_REQUIRE_FA4=1 $(BIN)/python -m pytest -q tests/test_fa4_compile.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check titan_upipe tests scripts

@@ -184,10 +184,10 @@ def test_flex_and_varlen_modules_convert(make, attn_type: str) -> None:
 
 
 def test_unknown_and_unavailable_backends() -> None:
-    with pytest.raises(ConfigError, match="unknown attention backend 'cudnn'"):
-        convert_attention(llama3(), "upipe", NoCommMesh(2), backend="cudnn")
+    with pytest.raises(ConfigError, match="unknown attention backend 'xformers'"):
+        convert_attention(llama3(), "upipe", NoCommMesh(2), backend="xformers")
     if not torch.cuda.is_available():
-        for name in ("flash_attn", "flash_attn3", "flash_attn4"):
+        for name in ("cudnn", "flash_attn", "flash_attn3", "flash_attn4"):
             with pytest.raises(ConfigError, match="needs a CUDA device"):
                 convert_attention(llama3(), "upipe", NoCommMesh(2), backend=name)
 

@@ -7,8 +7,9 @@ error, measured), for causal and full blocks, GQA 4:1 and MHA, fp32 and bf16.
 
 * CPU backends (``sdpa``'s CPU kernel, ``math``) run here, in ``make test``;
 * the CUDA ``sdpa`` kernels' Python runs here over a CPU emulation of the four aten ops
-  (``aten_sdpa_emulation``), and binds to the real aten schemas on the meta device;
-* on CUDA (marked ``gpu``) every installed backend runs on the GPU; ``python -m
+  (``aten_sdpa_emulation``), and binds to the real aten schemas on the meta device (the
+  ``cudnn`` backend's likewise, in ``test_cudnn_backend.py``);
+* on CUDA (marked ``gpu``) every usable backend of ``AUTO_ORDER`` runs on the GPU; ``python -m
   titan_upipe.gpu_suite --stage kernels`` runs the same check and writes a report.
 
 A recompute-style backward (the old CUDA ``sdpa`` branch: it recomputes its own block's
@@ -156,14 +157,15 @@ def _pretend_usable(monkeypatch, *names: str) -> None:
 
 
 def test_auto_takes_the_fastest_usable_backend_for_the_dtype(monkeypatch):
-    _pretend_usable(monkeypatch, "flash_attn4", "flash_attn")
+    _pretend_usable(monkeypatch, "flash_attn4", "cudnn", "flash_attn")
     assert choose_backend("auto", torch.bfloat16).name == "flash_attn4"
     assert choose_backend("auto", None).name == "flash_attn4"
     fp32 = choose_backend("auto", torch.float32)
-    assert fp32.name == "sdpa"  # the flash kernels run fp16/bf16 only
+    assert fp32.name == "sdpa"  # the flash and cuDNN kernels run fp16/bf16 only
     assert "runs float16, bfloat16 inputs, not float32" in fp32.describe()
     monkeypatch.setattr(FlashAttn4Backend, "merged_backward", False)
-    assert choose_backend("auto", torch.bfloat16, ring=True).name == "flash_attn"
+    assert choose_backend("auto", torch.bfloat16, ring=True).name == "cudnn"
+    assert choose_backend("auto", torch.bfloat16, ring=True, head_dim=256).name == "flash_attn"  # cuDNN: <= 128
 
 
 def test_named_backend_that_cannot_run_is_one_clear_error(monkeypatch):
@@ -258,3 +260,33 @@ def test_job_with_an_unusable_backend_fails_before_any_process_group(monkeypatch
     monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_job(parse_config([*ring, "flash_attn4", "--training.mixed_precision_param", "bfloat16"]), 4)
+
+
+def test_flash_attn4_refuses_a_head_dim_it_cannot_run_before_any_kernel(monkeypatch):
+    """FA4 4.0.0b36 asserts on an unsupported head_dim at its first call, mid-step; the backend
+    refuses it where it is chosen: before process groups (``probe=False``) and at conversion."""
+    from test_attention_validation import NoCommMesh
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
+
+    from titan_upipe.attention import convert_attention
+
+    refusal = (r"'flash_attn4' is not usable here: flash_attn4 \(FlashAttention-4 4\.0\.0b36\) runs head_dim a "
+               r"multiple of 8 from 8 to 128, or 256, forward and backward .*, not {}: use attention_backend 'sdpa'")
+    monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: True))
+    for head_dim in (4, 100, 192, 264):  # not a multiple of 8; Hopper-only; above 256
+        with pytest.raises(ConfigError, match=refusal.format(head_dim)):
+            choose_backend("flash_attn4", torch.bfloat16, head_dim=head_dim, probe=False)
+    for head_dim in (8, 64, 128, 256, None):
+        assert choose_backend("flash_attn4", torch.bfloat16, head_dim=head_dim, probe=False).name == "flash_attn4"
+
+    _pretend_usable(monkeypatch, "flash_attn4", "flash_attn")
+
+    def attention(head_dim: int) -> Qwen3Attention:
+        return Qwen3Attention(Qwen3ModelArgs(dim=64, n_heads=4, n_kv_heads=2, head_dim=head_dim))
+
+    with pytest.raises(ConfigError, match=refusal.format(192)):
+        convert_attention(attention(192), "ulysses", NoCommMesh(1), backend="flash_attn4")
+    assert convert_attention(attention(128), "ulysses", NoCommMesh(1), backend="flash_attn4").backend.name == "flash_attn4"
+    choice = choose_backend("auto", torch.bfloat16, head_dim=192)  # passed over, never run
+    assert choice.name == "flash_attn" and "not 192" in dict(choice.passed_over)["flash_attn4"]

@@ -223,6 +223,27 @@ def test_block_causal_on_cuda_needs_a_varlen_backend(monkeypatch):
     check_job(job("--model.flavor", "debug", config=DOCS), world_size=2)  # causal: no documents
 
 
+def test_auto_with_packed_documents_on_cuda_passes_over_backends_without_varlen(monkeypatch):
+    """cuDNN attention has no varlen kernel: ``auto`` for a block_causal job on CUDA takes the next
+    backend that has one (named explicitly, cuDNN would be refused by the document check)."""
+    import torchtitan.tools.utils as titan_utils
+
+    from titan_upipe.attention import backends
+    from titan_upipe.validation import attention_backend_choice
+
+    monkeypatch.setattr(titan_utils, "device_type", "cuda")
+    monkeypatch.setattr(backends, "AUTO_ORDER", ("cudnn", "flash_attn4", "sdpa"))
+    for name in ("cudnn", "flash_attn4"):
+        monkeypatch.setattr(backends.BACKENDS[name], "unavailable_reason", classmethod(lambda cls, probe=True: None))
+    documents = job("--upipe.attention_backend", "auto", "--training.mixed_precision_param", "bfloat16", config=DOCS)
+    choice = attention_backend_choice(documents, probe=False)
+    assert choice.name == "flash_attn4" and "no varlen" in dict(choice.passed_over)["cudnn"]
+    check_job(documents, world_size=2)
+    causal = job("--upipe.attention_backend", "auto", "--training.mixed_precision_param", "bfloat16", "--model.flavor",
+                 "debug", config=DOCS)
+    assert attention_backend_choice(causal, probe=False).name == "cudnn"
+
+
 def test_prefetch_after_attention_needs_offloaded_checkpointing():
     """Without offloaded inputs the switch would change nothing: refused, with the fix."""
     with pytest.raises(ConfigError, match=r"prefetch_after_attention = true .* set activation_checkpoint.cpu_offload = true"):

@@ -187,6 +187,11 @@ def model_heads(job_config) -> tuple[int, int]:
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
+def packs_documents(job_config) -> bool:
+    """The flavor attends within packed documents (``attn_mask_type = "block_causal"``)."""
+    return getattr(flavor_args(job_config, update=False), "attn_mask_type", "causal") == "block_causal"
+
+
 def model_head_dim(job_config) -> int:
     """The configured flavor's attention head dimension (Qwen3 sets it; Llama3's is dim / heads)."""
     args = flavor_args(job_config, update=False)
@@ -268,8 +273,10 @@ def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | 
     cannot run it raises ConfigError. Ring and USP layouts need a backend whose backward
     honours the merged out/lse."""
     layout = layout or cp_layout(job_config)
+    # packed documents on CUDA need a varlen kernel: auto passes over those without one
+    varlen = titan_utils.device_type == "cuda" and packs_documents(job_config)
     return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=layout.has_ring,
-                          probe=probe, head_dim=model_head_dim(job_config))
+                          probe=probe, head_dim=model_head_dim(job_config), varlen=varlen)
 
 
 # ---------------------------------------------------------------------------- memory transforms

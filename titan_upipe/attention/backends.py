@@ -42,18 +42,25 @@ sdpa        aten flash-for-CPU (CPU); aten flash (native   CPU and CUDA        a
             expanded: no GQA in that kernel) for fp32
             (CUDA); backward from the given out/lse
 math        explicit fp32 softmax, chunked over queries    anywhere (tests)    any float
+cudnn       cuDNN attention through torch's aten ops       CUDA sm80-sm121,    fp16, bf16
+            (``cudnn_backend.py``; no extra wheel),        cuDNN >= 9.15.1
+            native GQA, backward from the given out/lse;
+            head_dim a multiple of 8, <= 128
 flash_attn  flash-attn 2 (``flash_attn``)                  CUDA sm80+          fp16, bf16
 flash_attn3 flash-attn 3 (``flash_attn_interface``)        Hopper (sm90)       fp16, bf16
 flash_attn4 FlashAttention-4 (``flash-attn-4``:            Hopper, Blackwell   fp16, bf16
             ``flash_attn.cute``)
-auto        at conversion, the first of flash_attn4 >      --                  --
-            flash_attn3 > flash_attn > sdpa usable here
-            for the compute dtype (``choose_backend``)
+auto        at conversion, the fastest backend usable      --                  --
+            here for the compute dtype and head_dim:
+            the order measured on this GPU
+            (``kernel_speed.py``), else flash_attn4 >
+            flash_attn3 > cudnn > flash_attn > sdpa
 =========== ============================================== =================== ==========
 
-The flash-attn packages are imported lazily; a missing one raises a ConfigError at
-conversion time, it is never replaced by another kernel silently (``auto`` is a choice the
-user made, logged with the reasons the faster backends were passed over).
+The flash-attn packages are imported lazily; a missing one (or, for ``cudnn``, a torch without
+cuDNN 9.15.1+, a GPU or head_dim it does not run) raises a ConfigError at conversion time, it is
+never replaced by another kernel silently (``auto`` is a choice the user made, logged with the
+reasons the faster backends were passed over).
 """
 
 from __future__ import annotations
@@ -71,11 +78,13 @@ from titan_upipe.attention.backend_base import (  # noqa: F401  (re-exported: th
     expand_kv,
     fold_kv_grad,
 )
+from titan_upipe.attention.cudnn_backend import CudnnBackend
 from titan_upipe.attention.flash_backends import (  # noqa: F401
     FlashAttn2Backend,
     FlashAttn3Backend,
     FlashAttn4Backend,
 )
+from titan_upipe.attention.kernel_speed import measured_order
 from titan_upipe.errors import ConfigError
 
 
@@ -264,15 +273,20 @@ class SdpaBackend(LocalAttentionBackend):
 
 
 BACKENDS: dict[str, type[LocalAttentionBackend]] = {
-    cls.name: cls for cls in (SdpaBackend, MathBackend, FlashAttn2Backend, FlashAttn3Backend, FlashAttn4Backend)
+    cls.name: cls for cls in (SdpaBackend, MathBackend, CudnnBackend, FlashAttn2Backend, FlashAttn3Backend,
+                              FlashAttn4Backend)
 }
 
 AUTO = "auto"
 BACKEND_SETTINGS = (AUTO, *BACKENDS)
 """Values of ``[upipe] attention_backend``: ``auto`` and every backend name."""
-AUTO_ORDER = ("flash_attn4", "flash_attn3", "flash_attn", "sdpa")
-"""``auto`` takes the first of these usable here: fastest first (FA4 and FA3 on Hopper, FA2,
-then torch's own kernels, which run everywhere)."""
+AUTO_ORDER = ("flash_attn4", "flash_attn3", "cudnn", "flash_attn", "sdpa")
+"""``auto``'s candidates, and their order where nothing is measured on the job's GPU (``auto_order``
+reads the measured order from ``docs/data/kernel_speed.csv``). This default, from public H100
+figures: FA4 and FA3 lead on Hopper,
+cuDNN attention runs near FA3 (about 630 vs 630 TFLOP/s forward) and 1.7-2.3x torch's flash SDPA
+kernel (pytorch#142132, transformers#48163), and the FA2-class kernels (``flash_attn``, torch's
+flash kernel behind ``sdpa``) are slower; ``sdpa`` last, as it runs everywhere."""
 
 
 @dataclass(frozen=True)
@@ -291,23 +305,35 @@ class BackendChoice:
 
 
 def _problem(cls: type[LocalAttentionBackend], dtype: torch.dtype | None, ring: bool, probe: bool,
-             head_dim: int | None = None) -> str | None:
+             head_dim: int | None = None, varlen: bool = False) -> str | None:
     if ring and not cls.merged_backward:
         return (f"attention backend {cls.name!r} recomputes its block's softmax in backward instead of "
                 "using the merged out/lse, which ring attention needs: its ring/USP gradients would be wrong")
+    if varlen and not cls.varlen:
+        return (f"{cls.name} has no varlen (cu_seqlens) kernel, which packed documents on CUDA need "
+                "(one kernel call per document otherwise)")
     return cls.dtype_problem(dtype) or cls.head_dim_problem(head_dim) or cls.unavailable_reason(probe)
 
 
+def auto_order(probe: bool = True) -> tuple[str, ...]:
+    """``auto``'s candidates, fastest first: the order measured on this GPU
+    (``kernel_speed.measured_order``, ``docs/data/kernel_speed.csv``; a backend that failed its
+    contract here is left out), else ``AUTO_ORDER``. ``probe=False`` asks CUDA nothing: ``AUTO_ORDER``."""
+    device = torch.cuda.get_device_name() if probe and torch.cuda.is_available() else None
+    return measured_order(device, AUTO_ORDER)
+
+
 def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = False,
-                   probe: bool = True, head_dim: int | None = None) -> BackendChoice:
+                   probe: bool = True, head_dim: int | None = None, varlen: bool = False) -> BackendChoice:
     """Resolve ``[upipe] attention_backend`` for inputs of ``dtype`` and heads of ``head_dim``
-    (None: not known yet) and, with ``ring``, for ring/USP. ``auto`` takes the first usable name
-    of ``AUTO_ORDER``; a named backend that cannot run here raises ConfigError naming why and the
+    (None: not known yet), with ``ring`` for ring/USP and, for ``auto``, with ``varlen`` for packed
+    documents on CUDA. ``auto`` takes the first usable name of ``auto_order`` (measured on this GPU, else
+    ``AUTO_ORDER``); a named backend that cannot run here raises ConfigError naming why and the
     valid choices. ``probe=False``: no import, no CUDA query (see ``unavailable_reason``)."""
     if setting == AUTO:
         passed_over = []
-        for name in AUTO_ORDER:
-            why = _problem(BACKENDS[name], dtype, ring, probe, head_dim)
+        for name in auto_order(probe):
+            why = _problem(BACKENDS[name], dtype, ring, probe, head_dim, varlen)
             if why is None:
                 return BackendChoice(setting, name, tuple(passed_over))
             passed_over.append((name, why))
@@ -316,6 +342,8 @@ def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = 
     if setting not in BACKENDS:
         raise ConfigError(f"unknown attention backend {setting!r}: valid backends are "
                           f"{', '.join(BACKEND_SETTINGS)}")
+    # (a named backend without varlen for packed documents: refused by the document check, which
+    # names the backends that have one, attention.documents.document_kernel_problem)
     why = _problem(BACKENDS[setting], dtype, ring, probe, head_dim)
     if why is not None:
         raise ConfigError(f"attention backend {setting!r} is not usable here: {why}")

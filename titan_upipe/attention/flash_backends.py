@@ -220,19 +220,38 @@ class FlashAttn3Backend(_FlashAttnFamily):
         return dq, dk, dv
 
 
+FA4_HEAD_DIMS = (*range(8, 129, 8), 256)
+"""Head dims FlashAttention-4 4.0.0b36 runs forward *and* backward on every GPU this backend
+takes: ``_validate_head_dims`` in ``flash_attn/cute/interface.py``, which ``_flash_attn_fwd`` and
+``_flash_attn_bwd`` both call, wants a multiple of 16 bytes / element size (8 for fp16/bf16) and
+on sm90 8 <= d <= 256, on sm100/sm110 8 <= d <= 128 or d = 256 (192 only with a 128 value head);
+sm120 is not checked there (FakeTensorMode compiles its kernels for d = 128 and 256). The backend
+is chosen before the GPU is known, so Hopper's 136..248 are refused with Blackwell's."""
+
+
 class FlashAttn4Backend(_FlashAttnFamily):
     """FlashAttention-4 (``pip install flash-attn-4``, CuTe DSL, kernels compiled at first use).
 
     ``flash_attn.cute.interface._flash_attn_fwd(q, k, v, softmax_scale=, causal=, return_lse=True)``
     returns ``(out [B, S, H, D], lse [B, H, S] fp32, ...)``; ``_flash_attn_bwd(q, k, v, out, dout,
     lse, softmax_scale=, causal=)`` returns ``(dq, dk, dv)`` with dK/dV already summed over a GQA
-    group. Its backward runs on compute capability 9.x-12.x, fp16/bf16 only.
+    group. Its backward runs on compute capability 9.x-12.x, fp16/bf16 only, heads of ``FA4_HEAD_DIMS``.
+    ``tests/test_fa4_compile.py`` compiles every call below for sm_90a without a GPU.
     """
 
     name = "flash_attn4"
     module_name = "flash_attn.cute.interface"
     distribution = "flash-attn-4"
     capabilities = (9, 10, 11, 12)
+
+    @classmethod
+    def head_dim_problem(cls, head_dim: int | None) -> str | None:
+        # At conversion, not at the first call: there FA4 fails an assert mid-step.
+        if head_dim is None or head_dim in FA4_HEAD_DIMS:
+            return None
+        return (f"{cls.name} (FlashAttention-4 4.0.0b36) runs head_dim a multiple of 8 from 8 to 128, or 256, "
+                f"forward and backward on every GPU it supports (Hopper alone also runs 136-248, Blackwell "
+                f"does not), not {head_dim}: use attention_backend 'sdpa'")
 
     def forward(self, q, k, v, scale, causal=True):
         self.check_inputs(q)
