@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_upipe import gpu_suite, gpu_wheels
+from titan_upipe import gpu_reports, gpu_suite, gpu_wheels
 from titan_upipe.attention.backends import SdpaCpuKernels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,14 +315,14 @@ def test_a_gpu_run_rewrites_the_image_list_from_the_machine(tmp_path, monkeypatc
     """``pip list --format=freeze`` of the interpreter itself, with ``PYTHONPATH`` (the carried
     wheels, this checkout) off the path, over the committed list and into the report folder."""
     committed = tmp_path / "gpu_image_packages.txt"
-    monkeypatch.setattr(gpu_suite, "IMAGE_PACKAGES", committed)
+    monkeypatch.setattr(gpu_reports, "IMAGE_PACKAGES", committed)
     carried = tmp_path / "carried" / "zz_carried_wheel-1.0.dist-info"
     carried.mkdir(parents=True)
     (carried / "METADATA").write_text("Metadata-Version: 2.1\nName: zz-carried-wheel\nVersion: 1.0\n")
     monkeypatch.setenv("PYTHONPATH", str(carried.parent))
     listed = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True)
     assert "zz-carried-wheel==1.0" in listed.stdout  # on the path, pip would list it
-    copy = gpu_suite.refresh_image_packages(tmp_path / "out")
+    copy = gpu_reports.refresh_image_packages(tmp_path / "out")
     image = gpu_wheels.read_image(committed)
     assert image["torch"] is not None and "pytest" in image and "zz-carried-wheel" not in image
     assert copy.read_text() == committed.read_text() and copy.parent == tmp_path / "out"

@@ -23,7 +23,8 @@ LAYERS = {
     "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
              "cp_inputs", "validator", "compile_parts", "optimizers", "grad_norm",
              "cpu_runtime", "data", "job_assets", "registry", "plugin", "train", "config_parse"),
-    "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_wheels", "paper_tables"),
+    "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_attention", "gpu_queue",
+              "gpu_reports", "gpu_wheels", "paper_tables"),
 }
 ORDER = {"core": 0, "glue": 1, "tools": 2}
 MAX_MODULE_LINES = 600

@@ -1,7 +1,9 @@
 """GPU validation suite: everything the CPU test suite cannot show, on one CUDA GPU.
 
-    python -m titan_upipe.gpu_suite --stage kernels|memory|speed|tsp|all [--lengths 1M,2M] [--budget-s 540]
-    python -m titan_upipe.gpu_suite --dry-run            # on any machine: arguments, configs, wheels, plan
+    python -m titan_upipe.gpu_suite --next [--budget-s 540] [--out DIR]   # the GPU queue (gpu_queue.py)
+    python -m titan_upipe.gpu_suite --stage kernels|attention|memory|speed|tsp|all [--lengths 1M,2M]
+                                    [--select 'llama3_8b upipe'] [--budget-s 540]
+    python -m titan_upipe.gpu_suite --dry-run [--next]   # on any machine: arguments, configs, wheels, plan, queue
     make gpu-suite STAGE=kernels                         # installs the carried wheels (.whl/) first
 
 On a GPU machine without torchtitan, run it through ``scripts/gpu_suite.sh``, which
@@ -20,6 +22,10 @@ kernels     the backend contract (``titan_upipe.attention.contract``) for every 
             tiled MLP/RMSNorm, fused RoPE/CE, offloaded AC) against the unconverted model; one bf16
             step of the UPipe model with ``compile.enable``'s compiled norms and feed-forwards
             (inductor) against the same model eager
+attention   forward and backward TFLOP/s of every usable local kernel (after its bf16 contract) at one
+            rank's shapes of Llama3-8B C=8 and Qwen3-32B, 128K and 1M (2M with ``--lengths 2M``), and
+            packed documents for the varlen kernels (``gpu_attention``): ranked, and written to
+            ``docs/data/kernel_speed.csv``, which ``auto`` and these estimates read
 memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
             C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
@@ -38,11 +44,14 @@ A call runs its runs in order while the next one's estimate fits before the call
 stages, each in a child process of its own); the rest are listed in the report with the command
 that runs them, and every emulator child is killed at the deadline. Reports are rewritten after
 every run, so a killed call keeps what it measured. Estimates come from the paper's Table 5 FA3 times per layer (the
-attention dominates) times the slowdown of the kernel these machines run (``KERNEL_SLOWDOWN``,
-measured) plus a start-up cost: on an H100 a 2-block run fits one 10-minute call up to 4M; 5M-8M
-need a machine without that limit (``--budget-s 3600``).
-Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>-<lengths>.*`` with ``--lengths``)
-under ``docs/benchmarks/gpu/`` (device, torch, driver, date, the exact command).
+attention dominates) times the slowdown of the kernel ``auto`` runs there (``gpu_attention.kernel_slowdown``:
+SDPA's measured 2.0x, scaled by the measured kernel table) plus a start-up cost: with SDPA on an H100
+a 2-block run fits one 10-minute call up to 4M; 5M-8M need a machine without that limit
+(``--budget-s 3600``). ``--next`` runs the queue's pending items (``gpu_queue``), each a child call.
+Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>[-<select>][-<lengths>].*``) under
+``docs/benchmarks/gpu/`` or ``--out`` (device, torch, driver, cuDNN, the backend ``auto`` runs, date,
+the exact command); every GPU call also rewrites ``docs/data/gpu_image_packages.txt`` (and the
+attention stage ``docs/data/kernel_speed.csv``) and copies them into ``--out``.
 """
 
 from __future__ import annotations
@@ -51,18 +60,41 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
+from titan_upipe.attention.kernel_speed import (
+    KERNEL_SPEED_CSV,
+    latest_device,
+    measured_order,
+    read_rows,
+)
+from titan_upipe.gpu_attention import (
+    DENSE_LENGTHS,
+    case_key,
+    kernel_slowdown,
+    plan_cases,
+    run_attention_stage,
+    usable_backends,
+)
 from titan_upipe.gpu_kernels import run_kernel_checks
-from titan_upipe.gpu_wheels import IMAGE_PACKAGES, check_closure, check_manifest, write_image
+from titan_upipe.gpu_queue import QueueItem, build_queue, load_reports, next_item, pending
+from titan_upipe.gpu_reports import StageReport, environment, refresh_image_packages
+from titan_upipe.gpu_wheels import (
+    canonical,
+    carried_versions,
+    check_closure,
+    check_manifest,
+    read_image,
+    read_lock,
+)
 from titan_upipe.paper_tables import paper_value
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
@@ -71,7 +103,7 @@ from titan_upipe.train import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
-STAGES = ("kernels", "memory", "speed", "tsp")
+STAGES = ("kernels", "attention", "memory", "speed", "tsp")
 DEFAULT_BUDGET_S = 540
 
 K, M = 1024, 1024 * 1024
@@ -88,15 +120,10 @@ MEMORY_LAYERS = 2
 STARTUP_S = 30.0
 """Estimated process start, model build and first-use kernel compilation per emulator run
 (H100, 2026-11-23: 25 s at 128K, where the attention takes little)."""
-KERNEL_SLOWDOWN = 2.0
-"""The attention kernel these machines run against the paper's FA3 times: torch SDPA's flash kernel
-took 2.0x FA3's Table 5 time at 1M and at 2M on an H100 (2026-11-23; FlashAttention-4 did not
-import there). A 3M run planned at 202 s ran over 280 s with the paper's times alone."""
-
-
-def run_estimate_s(length: str) -> float:
+def run_estimate_s(length: str, slowdown: float | None = None) -> float:
     """Wall seconds of one emulator run of ``MEMORY_LAYERS`` blocks at ``length``."""
-    return STARTUP_S + MEMORY_LAYERS * KERNEL_SLOWDOWN * attention_seconds_per_layer(length)
+    slowdown = kernel_slowdown() if slowdown is None else slowdown
+    return STARTUP_S + MEMORY_LAYERS * slowdown * attention_seconds_per_layer(length)
 
 
 @dataclass(frozen=True)
@@ -145,11 +172,39 @@ def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Ru
                run_estimate_s(length), method, length, stop_group)
 
 
-def plan_runs(stage: str, lengths: tuple[str, ...] | None = None) -> list[Run]:
-    """The runs of one stage, in order (``lengths`` narrows the emulator stages)."""
+def attention_backends() -> list[str]:
+    """The backends the attention stage times: on a GPU those usable there; elsewhere those the GPU
+    machines will have (torch's own kernels, and packages carried by the wheel lock or in the image)."""
+    if torch.cuda.is_available():
+        return usable_backends("cuda")[0]
+    there = {**read_image(), **carried_versions(read_lock())}
+    return [name for name in AUTO_ORDER
+            if canonical(getattr(BACKENDS[name], "distribution", "torch")) in {"torch", *there}]
+
+
+ATTENTION_LENGTHS = ("128K", "1M")
+"""The attention stage's lengths by default; 2M where asked (``--lengths 2M``: the queue's last item)."""
+
+
+def attention_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
+    return {x: DENSE_LENGTHS[x] for x in (lengths or ATTENTION_LENGTHS) if x in DENSE_LENGTHS}
+
+
+def plan_runs(stage: str, lengths: tuple[str, ...] | None = None, select: str | None = None) -> list[Run]:
+    """The runs of one stage, in order (``lengths`` narrows the emulator and attention stages,
+    ``select`` keeps the runs whose name starts with it)."""
+    runs = _stage_runs(stage, lengths)
+    return [r for r in runs if select is None or r.name.startswith(select)]
+
+
+def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
     def wanted(candidates: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(x for x in candidates if lengths is None or x in lengths)
 
+    if stage == "attention":
+        rows, device = read_rows(), latest_device()
+        return [Run("attention", case.name, estimate_s=case.estimate_s(rows, device), length=case.length)
+                for case in plan_cases("cuda", attention_backends(), attention_lengths(lengths))]
     if stage == "kernels":
         return [Run("kernels", name, estimate_s=est) for name, est in
                 (("contract", 60), ("varlen", 30), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
@@ -181,132 +236,6 @@ def schedule_within(runs: list[Run], budget_s: float) -> tuple[list[Run], list[R
             return runs[:i], runs[i:]
         spent += run.estimate_s
     return runs, []
-
-
-# --- the environment and the report ---------------------------------------------------------
-
-
-def environment(argv: list[str]) -> dict[str, str]:
-    env = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": "python -m titan_upipe.gpu_suite " + " ".join(argv), "torch": torch.__version__,
-           "python": platform.python_version(), "host": platform.node()}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cuda"] = str(torch.version.cuda)
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            env["driver"] = "unknown (no nvidia-smi)"
-    else:
-        env["device"] = f"CPU ({platform.processor() or platform.machine()})"
-    return env
-
-
-@dataclass
-class StageReport:
-    stage: str
-    environment: dict[str, str]
-    results: list[dict] = field(default_factory=list)
-    not_run: list[dict] = field(default_factory=list)
-    lengths: tuple[str, ...] | None = None
-    """The ``--lengths`` of this call: part of the file name, so the calls of a stage split over
-    several lengths keep their own reports."""
-
-    @property
-    def label(self) -> str:
-        return self.stage + ("" if not self.lengths else "-" + "-".join(self.lengths))
-
-    @property
-    def ok(self) -> bool:
-        return all(r.get("ok", True) for r in self.results)
-
-    def paths(self, out_dir: Path) -> tuple[Path, Path]:
-        return out_dir / f"{self.label}.json", out_dir / f"{self.label}.md"
-
-    def write(self, out_dir: Path) -> tuple[Path, Path]:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = self.paths(out_dir)
-        json_path.write_text(json.dumps({**asdict(self), "ok": self.ok}, indent=1, default=str) + "\n")
-        md_path.write_text("\n".join(self.markdown()) + "\n")
-        return json_path, md_path
-
-    def markdown(self) -> list[str]:
-        lines = [f"# GPU suite: {self.label}", ""]
-        lines += [f"- {key}: {value}" for key, value in self.environment.items()]
-        lines += ["", f"Verdict: {'all passed' if self.ok else 'FAILURES'}", ""]
-        lines += TABLES[self.stage](self.results)
-        if self.not_run:
-            lines += ["", "Not run in this call (over the time budget; estimates, not measurements):", ""]
-            lines += [f"- {r['name']} (~{r['estimate_s']:.0f} s): `{r['command']}`" for r in self.not_run]
-        return lines
-
-
-def _kernel_table(results: list[dict]) -> list[str]:
-    lines = ["| check | case | verdict | detail |", "|---|---|---|---|"]
-    for r in results:
-        verdict = "skipped" if r.get("skipped") else ("ok" if r["ok"] else "FAIL")
-        lines.append(f"| {r['check']} | {r.get('case', '')} | {verdict} | {r.get('detail', '')} |")
-    return lines
-
-
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
-
-
-def _memory_table(results: list[dict]) -> list[str]:
-    """Two comparisons per run: at the depth the run built (``max_memory_allocated`` itself beside the
-    planner at that depth: no extrapolation on either side) and at the flavor's depth (the
-    emulator's extrapolation beside the planner and the paper)."""
-    lines = ["| model | method | length | layers | max allocated GiB | planner GiB (same layers) "
-             "| max allocated GiB (full) | max reserved GiB (full) | planner GiB (full) | paper T4 GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        m = r.get("measurement") or {}
-        full = m.get("full") or {}
-        if r.get("oom"):
-            cells = ["OOM", "OOM", "OOM"]
-        else:
-            cells = [_gib(m.get("device_peak_allocated_bytes")), _gib(full.get("device_peak_allocated_bytes")),
-                     _gib(full.get("device_peak_reserved_bytes"))]
-        lines.append(f"| {r['model']} | {r['method']} | {r['length']} | {m.get('n_layers', '-')} | {cells[0]} | "
-                     f"{_fmt(r.get('planner_gib_run_depth'))} | {cells[1]} | {cells[2]} | "
-                     f"{_fmt(r.get('planner_gib'))} | {_fmt(r.get('paper_gib'))} |")
-    return lines
-
-
-def _speed_table(results: list[dict]) -> list[str]:
-    lines = ["| length | method | step s (full, modelled comm.) | tokens/s/GPU | paper T3 tokens/s/GPU | "
-             "UPipe / Ulysses | paper |", "|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['length']} | {r['method']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('tokens_per_s'))} | "
-                     f"{_fmt(r.get('paper_tokens_per_s'))} | {_fmt(r.get('ratio'), '.3f')} | "
-                     f"{_fmt(r.get('paper_ratio'), '.3f')} |")
-    return lines
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _tsp_table(results: list[dict]) -> list[str]:
-    lines = ["| length | max allocated GiB (full) | max reserved GiB (full) | step s (full, modelled comm.) | "
-             "TSP collectives GB per step (received) |", "|---|---|---|---|---|"]
-    for r in results:
-        m = r.get("measurement") or {}
-        full = m.get("full") or {}
-        if r.get("oom"):
-            lines.append(f"| {r['length']} | OOM | OOM | - | - |")
-            continue
-        step = full.get("modeled_step_time_s")
-        comm = full.get("p2p_bytes")
-        lines.append(f"| {r['length']} | {_gib(full.get('device_peak_allocated_bytes'))} | "
-                     f"{_gib(full.get('device_peak_reserved_bytes'))} | {_fmt(step)} | "
-                     f"{_fmt(None if comm is None else comm / 1e9, '.1f')} |")
-    return lines
-
-
-TABLES = {"kernels": _kernel_table, "memory": _memory_table, "speed": _speed_table, "tsp": _tsp_table}
 
 
 # --- running emulator stages -----------------------------------------------------------------
@@ -437,8 +366,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=str(REPORT_DIR),
                         help=f"report folder (default {REPORT_DIR}; on the device tool's machine use $OUT, the "
                              "folder that comes back)")
+    parser.add_argument("--select", default=None, metavar="PREFIX",
+                        help="emulator stages: only the runs whose name starts with PREFIX (e.g. 'llama3_8b upipe')")
+    parser.add_argument("--next", action="store_true",
+                        help="the GPU queue: run the highest-priority measurements no report shows yet, within "
+                             "--budget-s (titan_upipe.gpu_queue); with --dry-run, print the queue")
     parser.add_argument("--dry-run", action="store_true",
-                        help="check arguments, configs, the wheel manifest and print the plan; run nothing")
+                        help="check arguments, configs, the wheel closure and manifest and print the plan; run nothing")
     parser.add_argument("--replan", metavar="REPORT_JSON", type=Path, default=None,
                         help="recompute the planner columns of a memory report (JSON and Markdown, in place) "
                              "with this checkout's planner; runs nothing, needs no GPU")
@@ -451,6 +385,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.lengths = lengths
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
+    if args.next and (args.stage != "all" or args.lengths or args.select):
+        parser.error("--next picks its own stages, lengths and runs: drop --stage, --lengths and --select")
+    if args.select is not None and args.stage in ("kernels", "attention", "all"):
+        parser.error(f"--select narrows the emulator stages (memory, speed, tsp), not --stage {args.stage}")
     return args
 
 
@@ -458,11 +396,62 @@ def selected_stages(stage: str) -> tuple[str, ...]:
     return STAGES if stage == "all" else (stage,)
 
 
+def call_estimate_s(stage: str, lengths: tuple[str, ...], select: str | None) -> float:
+    """The time estimate of one ``--stage``/``--lengths``/``--select`` call (its runs together)."""
+    return sum(run.estimate_s for run in plan_runs(stage, lengths or None, select))
+
+
+def fastest_backend() -> str:
+    """What ``auto`` runs on this GPU (on a CPU machine: on the GPU of the newest measurements)."""
+    if torch.cuda.is_available():
+        return choose_backend("auto", torch.bfloat16, head_dim=128).name
+    return measured_order(latest_device(), AUTO_ORDER)[0]
+
+
+def gpu_queue(out: Path) -> tuple[list[QueueItem], list[dict]]:
+    """The queue's items and the reports they are judged by (committed and this call's)."""
+    reports = load_reports([REPORT_DIR, out])
+    return build_queue(call_estimate_s, fastest_backend(), AUTO_ORDER), reports
+
+
+def print_queue(out: Path) -> None:
+    items, reports = gpu_queue(out)
+    print(f"GPU queue ({len(pending(items, reports))} of {len(items)} pending; the reports in {REPORT_DIR} and "
+          f"{out} are its state):")
+    for item in items:
+        state = "done   " if item.done(reports) else "pending"
+        print(f"  {state} ~{item.estimate_s:6.0f} s  {item.name}  (--stage ... {' '.join(item.argv)})")
+
+
+def run_next(args: argparse.Namespace, deadline: float) -> int:
+    """``--next``: queue items in priority order, each in a child call of the suite, while one fits."""
+    attempted: set[str] = set()
+    codes = []
+    while True:
+        remaining = deadline - time.monotonic()
+        items, reports = gpu_queue(Path(args.out))
+        item = next_item(items, reports, remaining, attempted)
+        if item is None:
+            break
+        attempted.add(item.name)
+        print(f"[next] {item.name} (~{item.estimate_s:.0f} s of {remaining:.0f} s left)", flush=True)
+        child = [sys.executable, "-m", "titan_upipe.gpu_suite", *item.argv, "--budget-s", f"{remaining:.0f}",
+                 "--out", args.out]
+        codes.append(subprocess.run(child, cwd=REPO, env=child_env()).returncode)
+    items, reports = gpu_queue(Path(args.out))
+    left = pending(items, reports)
+    print(f"[next] {len(attempted)} item(s) run in this call; {len(left)} pending"
+          + (f", next: {left[0].name} (~{left[0].estimate_s:.0f} s)" if left else ""), flush=True)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
 def dry_run(args: argparse.Namespace) -> list[str]:
     """Everything a CPU machine can check; returns the problems (empty: ready)."""
     problems = []
+    if args.next:
+        print_queue(Path(args.out))
     for stage in selected_stages(args.stage):
-        runs = plan_runs(stage, args.lengths)
+        runs = plan_runs(stage, args.lengths, args.select)
         now, later = schedule_within(runs, args.budget_s)
         print(f"stage {stage}: {len(runs)} runs, {len(now)} within {args.budget_s:.0f} s")
         for run in runs:
@@ -478,31 +467,13 @@ def dry_run(args: argparse.Namespace) -> list[str]:
                     parse_config(["--job.config_file", str(REPO / config)])
                 except Exception as exc:  # a config that does not parse is a problem to report
                     problems.append(f"{run.name}: {config} does not parse: {exc}")
-        if stage != "kernels" and not now:
+        if stage not in ("kernels", "attention") and not now:
             problems.append(f"stage {stage}: no run fits --budget-s {args.budget_s:g}")
     for check in (check_closure, lambda: check_manifest(REPO / ".whl")):
         wheel_problems, wheel_lines = check()
         print("\n".join(wheel_lines))
         problems += wheel_problems
     return problems
-
-
-def refresh_image_packages(out: Path) -> Path:
-    """The machine's own packages (``pip list --format=freeze`` without the carried wheels or this
-    checkout on the path) written over ``docs/data/gpu_image_packages.txt`` and into ``out`` (the
-    folder that comes back from a device machine), so the wheel closure is checked against the
-    image as it is."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    freeze = subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
-                            env=env, cwd="/", timeout=120, check=True).stdout
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node()
-    write_image(freeze, IMAGE_PACKAGES, f"{device}, {when}")
-    out.mkdir(parents=True, exist_ok=True)
-    copy = out / IMAGE_PACKAGES.name
-    if copy.resolve() != IMAGE_PACKAGES.resolve():
-        copy.write_text(IMAGE_PACKAGES.read_text())
-    return copy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -527,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     deadline = time.monotonic() + args.budget_s
     print(f"image packages: {refresh_image_packages(Path(args.out))}", flush=True)
+    if args.next:
+        return run_next(args, deadline)
     if args.stage == "all":
         return run_all_in_children(args, deadline)
     report = run_stage(args.stage, args, argv, deadline=deadline)
@@ -553,7 +526,8 @@ def run_all_in_children(args: argparse.Namespace, deadline: float) -> int:
 def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda",
               deadline: float | None = None) -> StageReport:
     """One stage; its report is written to ``args.out`` after every run, not only at the end."""
-    report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None)
+    report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None,
+                         select=args.select)
     out = Path(args.out)
     if stage == "kernels":
         def save_checks(results: list[dict]) -> None:
@@ -563,7 +537,25 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
         report.results = run_kernel_checks(device, on_result=save_checks)
         report.write(out)
         return report
-    runs = plan_runs(stage, args.lengths)
+    if stage == "attention":
+        # An earlier call's report of the same lengths on this GPU is continued, not redone: its
+        # timed cases are kept and not timed again (the queue's progress over several calls).
+        earlier = [r for r in _same_report(report, out) if "fwd_ms" in r or r.get("oom")]
+
+        def save_cases(results: list[dict], not_run: list[dict]) -> None:
+            report.results = earlier + [{**r, "device": report.environment.get("device", device)} for r in results]
+            report.not_run = not_run
+            report.write(out)
+
+        # (on a CPU, make test's run: the stage's tiny CPU lengths, whatever --lengths says)
+        run_attention_stage(device, deadline, report.environment, save_cases,
+                            attention_lengths(args.lengths) if device == "cuda" else None,
+                            measured={case_key(r) for r in earlier})
+        copy = out / KERNEL_SPEED_CSV.name
+        if device == "cuda" and copy.resolve() != KERNEL_SPEED_CSV.resolve():
+            copy.write_text(KERNEL_SPEED_CSV.read_text())  # the folder that comes back from a device machine
+        return report
+    runs = plan_runs(stage, args.lengths, args.select)
     if deadline is None:
         runs, later = schedule_within(runs, args.budget_s)
         report.not_run = _not_run(stage, later)
@@ -575,6 +567,18 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
     report.results = run_emulator_stage(stage, runs, deadline, save)
     report.write(out)
     return report
+
+
+def _same_report(report: StageReport, out: Path) -> list[dict]:
+    """The results of this call's report as an earlier call on the same device left it (in ``out``,
+    else committed in ``REPORT_DIR``); none where there is none."""
+    for folder in (out, REPORT_DIR):
+        path = report.paths(folder)[0]
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data["environment"].get("device") == report.environment.get("device"):
+                return data["results"]
+    return []
 
 
 def _not_run(stage: str, runs: list[Run]) -> list[dict]:

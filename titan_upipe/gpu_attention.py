@@ -1,0 +1,324 @@
+"""The GPU suite's ``attention`` stage: forward and backward TFLOP/s of every usable local attention
+kernel at one rank's shapes of the recipes, ranked; the ranking is ``auto``'s order on that GPU.
+
+Shapes (bf16, head_dim 128, causal; what one rank's kernel sees after the Ulysses all-to-all):
+
+=========== ================ ============================================================
+shape       q / KV heads     the recipe
+=========== ================ ============================================================
+llama3_8b   4 / 1            Llama3-8B (32 / 8 heads) over C = 8: UPipe's stages together
+qwen3_32b   8 / 1            Qwen3-32B (64 / 8 heads) under Ulysses 8 (UPipe-in-USP 8 x 2)
+=========== ================ ============================================================
+
+at 128K and 1M tokens, and 2M where the call's budget allows; plus a varlen case (packed
+documents, ``DOCUMENT_MIX``, 128K tokens) for the backends with a varlen kernel. Before timing, a
+backend must pass the contract (``attention.contract``, bf16) on this device: one that fails is
+reported, not timed, and leaves ``auto`` here (``attention.kernel_speed``).
+
+FLOPs of causal attention over a sequence of ``L`` tokens, ``H`` query heads of dim ``D`` (the
+half of ``QK^T`` and ``PV`` a causal mask keeps, two flops per multiply-add):
+
+    fwd = 2 * H * D * L^2          bwd = 2.5 * fwd   (five matmuls against two)
+
+summed over the documents of a varlen call. Times are CUDA-event medians after a warm-up call
+(which also pays a JIT kernel's first compilation); one timed call per case at 1M and beyond.
+Results go to the stage report and ``docs/data/kernel_speed.csv`` (this device's rows replaced).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
+from titan_upipe.attention.contract import check_contract, contract_cases
+from titan_upipe.attention.kernel_speed import (
+    KERNEL_SPEED_CSV,
+    dense_seconds,
+    latest_device,
+    measured_order,
+    read_rows,
+    scores,
+    write_rows,
+)
+from titan_upipe.errors import ConfigError
+
+K, M = 1024, 1024 * 1024
+HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """One rank's attention heads in a recipe."""
+
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int = HEAD_DIM
+
+
+SHAPES = (KernelShape("llama3_8b", 4, 1), KernelShape("qwen3_32b", 8, 1))
+DENSE_LENGTHS = {"128K": 128 * K, "1M": M, "2M": 2 * M}
+VARLEN_TOKENS = 128 * K
+DOCUMENT_MIX = ((0.55, 1024), (0.30, 8 * K), (0.15, 48 * K))
+"""(share of documents, median length): short web pages, articles, long books/code; each length
+log-normal around its median (sigma 0.6), clipped to [64, 128K], packed until 128K tokens."""
+CPU_LENGTHS = {"256": 256}
+"""What ``make test`` runs on CPU (``sdpa``'s CPU kernel): the stage's bookkeeping, not speeds."""
+ASSUMED_TFLOPS = 150.0
+"""fwd + bwd rate for a time estimate where nothing is measured yet (torch's flash SDPA measured
+at about this on the H100)."""
+
+
+def causal_flops(lengths: list[int], q_heads: int, head_dim: int) -> tuple[float, float]:
+    """(fwd, bwd) FLOPs of causal attention over documents of ``lengths`` (module docstring)."""
+    fwd = 2.0 * q_heads * head_dim * sum(n * n for n in lengths)
+    return fwd, 2.5 * fwd
+
+
+def document_lengths(total: int, seed: int = 0) -> list[int]:
+    """A packed row of ``total`` tokens drawn from ``DOCUMENT_MIX`` (the last document cut to fit)."""
+    rng = random.Random(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        share = rng.random()
+        median = next(m for s, m in _cumulative(DOCUMENT_MIX) if share <= s)
+        n = int(min(max(rng.lognormvariate(0.0, 0.6) * median, 64), 128 * K))
+        lengths.append(min(n, total - sum(lengths)))
+    return lengths
+
+
+def _cumulative(mix: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
+    out, acc = [], 0.0
+    for share, median in mix:
+        acc += share
+        out.append((acc, median))
+    out[-1] = (1.0, out[-1][1])
+    return out
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    shape: KernelShape
+    length: str
+    tokens: int
+    kind: str = "dense"
+    """``dense``: one causal sequence; ``varlen``: ``document_lengths(tokens)`` packed."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend} {self.shape.name} {self.length} {self.kind}"
+
+    def lengths(self) -> list[int]:
+        return [self.tokens] if self.kind == "dense" else document_lengths(self.tokens)
+
+    def estimate_s(self, rows: list[dict] | None = None, device: str | None = None) -> float:
+        """Two timed calls' worth (warm-up and timing) from the measured table, else ``ASSUMED_TFLOPS``."""
+        measured = dense_seconds(rows or [], device, self.backend, self.shape.name, self.tokens) if device else None
+        if measured is None:
+            fwd, bwd = causal_flops(self.lengths(), self.shape.q_heads, self.shape.head_dim)
+            measured = (fwd + bwd) / (ASSUMED_TFLOPS * 1e12)
+        return 5.0 + 2 * measured * (3 if self.tokens < M else 1)
+
+
+SDPA_SLOWDOWN = 2.0
+"""A layer's time with torch SDPA's flash kernel against the paper's FA3 times: 2.0x FA3's Table 5
+time at 1M and at 2M on an H100 (2026-11-23). A 3M run planned at 202 s ran over 280 s with the
+paper's times alone."""
+SLOWDOWN_SHAPE, SLOWDOWN_TOKENS = "llama3_8b", 1024 * 1024
+
+
+def kernel_slowdown(device: str | None = None, rows: list[dict] | None = None) -> float:
+    """The slowdown of the kernel ``auto`` picks on ``device`` (default: the GPU of the newest
+    measurements, ``docs/data/kernel_speed.csv``) against the paper's FA3 times: ``SDPA_SLOWDOWN``
+    scaled by that kernel's measured fwd + bwd time over SDPA's at one rank's Llama3-8B shape at 1M
+    (the layer's other work is small there); ``SDPA_SLOWDOWN`` where either is not measured."""
+    rows = read_rows() if rows is None else rows
+    device = device or latest_device(rows)
+    if device is None:
+        return SDPA_SLOWDOWN
+    fastest = measured_order(device, AUTO_ORDER, rows)[0]
+    best = dense_seconds(rows, device, fastest, SLOWDOWN_SHAPE, SLOWDOWN_TOKENS)
+    sdpa = dense_seconds(rows, device, "sdpa", SLOWDOWN_SHAPE, SLOWDOWN_TOKENS)
+    return SDPA_SLOWDOWN if best is None or sdpa is None else SDPA_SLOWDOWN * best / sdpa
+
+
+def usable_backends(device: str) -> tuple[list[str], dict[str, str]]:
+    """Backends that run bf16 heads of dim 128 here, and why each other one does not."""
+    usable, skipped = [], {}
+    for name in AUTO_ORDER:
+        if device != "cuda" and name != "sdpa":
+            skipped[name] = "runs on CUDA tensors only"
+            continue
+        try:
+            choose_backend(name, torch.bfloat16, head_dim=HEAD_DIM)
+        except ConfigError as exc:
+            skipped[name] = str(exc)
+            continue
+        usable.append(name)
+    return usable, skipped
+
+
+def plan_cases(device: str, backends: list[str], lengths: dict[str, int] | None = None) -> list[Case]:
+    """Dense cases length-major (every backend at 128K before any at 1M), then the varlen cases."""
+    lengths = lengths or (DENSE_LENGTHS if device == "cuda" else CPU_LENGTHS)
+    cases = [Case(b, shape, label, tokens) for label, tokens in lengths.items() for shape in SHAPES for b in backends]
+    # the varlen case rides with the shortest dense length of the stage's calls (128K on a GPU)
+    varlen_tokens = VARLEN_TOKENS if device == "cuda" else min(lengths.values())
+    if varlen_tokens in lengths.values():
+        label = next(label for label, tokens in lengths.items() if tokens == varlen_tokens)
+        cases += [Case(b, SHAPES[0], label, varlen_tokens, "varlen") for b in backends if BACKENDS[b].varlen]
+    return cases
+
+
+def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = case.shape
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=device, dtype=torch.bfloat16)
+
+    if case.kind == "dense":
+        return (randn(1, shape.q_heads, case.tokens, shape.head_dim), randn(1, shape.kv_heads, case.tokens, shape.head_dim),
+                randn(1, shape.kv_heads, case.tokens, shape.head_dim))
+    return (randn(case.tokens, shape.q_heads, shape.head_dim), randn(case.tokens, shape.kv_heads, shape.head_dim),
+            randn(case.tokens, shape.kv_heads, shape.head_dim))
+
+
+def _timer(device: str) -> Callable[[Callable[[], object]], tuple[object, float]]:
+    def timed(fn):
+        if device == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            stop.record()
+            torch.cuda.synchronize()
+            return out, start.elapsed_time(stop)
+        began = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - began) * 1e3
+    return timed
+
+
+def time_case(case: Case, device: str, repeats: int | None = None) -> dict:
+    """Median fwd and bwd milliseconds of one case (after a warm-up call of each), and TFLOP/s."""
+    backend = BACKENDS[case.backend]()
+    q, k, v = _inputs(case, device)
+    scale = case.shape.head_dim ** -0.5
+    lengths = case.lengths()
+    if case.kind == "dense":
+        forward = lambda: backend.forward(q, k, v, scale, True)  # noqa: E731
+    else:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        forward = lambda: backend.varlen_forward(q, k, v, scale, cu, max(lengths))  # noqa: E731
+    timed = _timer(device)
+    repeats = repeats or (3 if case.tokens < M else 1)
+    (out, lse), _ = timed(forward)  # warm-up (first-use compilation)
+    dout = torch.randn_like(out)
+    if case.kind == "dense":
+        backward = lambda: backend.backward(dout, q, k, v, out, lse, scale, True)  # noqa: E731
+    else:
+        backward = lambda: backend.varlen_backward(dout, q, k, v, out, lse, scale, cu, max(lengths))  # noqa: E731
+    timed(backward)
+    fwd_ms = sorted(timed(forward)[1] for _ in range(repeats))[repeats // 2]
+    bwd_ms = sorted(timed(backward)[1] for _ in range(repeats))[repeats // 2]
+    fwd_flops, bwd_flops = causal_flops(lengths, case.shape.q_heads, case.shape.head_dim)
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": fwd_flops / fwd_ms / 1e9,
+            "bwd_tflops": bwd_flops / bwd_ms / 1e9, "documents": len(lengths)}
+
+
+def contract_verdict(name: str, device: str) -> tuple[bool, str]:
+    """The backend's bf16 contract on this device (small shapes): ("ok" or the worst failure)."""
+    backend = BACKENDS[name]()
+    for case in contract_cases((torch.bfloat16,)):
+        result = check_contract(backend, case, device)
+        if not result.ok:
+            worst = max(result.split, key=lambda n: max(result.whole[n], result.split[n]) / result.allowed[n])
+            return False, (f"failed {case.id}: {worst} whole {result.whole[worst]:.2e}, split "
+                           f"{result.split[worst]:.2e}, allowed {result.allowed[worst]:.2e}")
+    return True, "ok"
+
+
+def case_key(result: dict) -> tuple:
+    return result.get("backend"), result.get("shape"), result.get("length"), result.get("kind")
+
+
+def run_attention_stage(device: str, deadline: float | None = None, environment: dict | None = None,
+                        on_result: Callable[[list[dict], list[dict]], None] | None = None,
+                        lengths: dict[str, int] | None = None, measured: set[tuple] = frozenset()) -> list[dict]:
+    """Contract, then timing, of every usable backend; a case whose estimate no longer fits before
+    ``deadline`` (``time.monotonic()``) is listed as not run, and a case in ``measured``
+    (``case_key``s an earlier call timed on this GPU) is not timed again. ``on_result(results,
+    not_run)`` after each case. On CUDA this call's rows go into ``docs/data/kernel_speed.csv``."""
+    environment = environment or {}
+    usable, skipped = usable_backends(device)
+    results = [{"check": "attention", "backend": name, "skipped": True, "ok": True, "contract": f"skipped: {why}"}
+               for name, why in skipped.items()]
+    passed = []
+    for name in usable:
+        ok, verdict = contract_verdict(name, device)
+        if ok:
+            passed.append(name)
+        else:
+            results.append({"check": "attention", "backend": name, "ok": False, "contract": verdict})
+    rows_before = read_rows()
+    device_name = environment.get("device", device)
+    cases = [c for c in plan_cases(device, passed, lengths)
+             if (c.backend, c.shape.name, c.length, c.kind) not in measured]
+    not_run: list[dict] = []
+    for i, case in enumerate(cases):
+        estimate = case.estimate_s(rows_before, device_name)
+        if deadline is not None and time.monotonic() + estimate > deadline:
+            not_run = [{"name": c.name, "estimate_s": c.estimate_s(rows_before, device_name),
+                        "command": "python -m titan_upipe.gpu_suite --stage attention"} for c in cases[i:]]
+            break
+        try:
+            timing = time_case(case, device)
+            result = {"ok": True, **timing}
+        except torch.OutOfMemoryError:
+            result = {"ok": True, "oom": True}
+        results.append({"check": "attention", "backend": case.backend, "shape": case.shape.name, "length": case.length,
+                        "tokens": case.tokens, "kind": case.kind, "contract": "ok", **result})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if on_result:
+            on_result(results, not_run)
+    if device == "cuda":
+        write_rows(csv_rows(results, environment), environment.get("device", "cuda"))
+    if on_result:
+        on_result(results, not_run)
+    return results
+
+
+def csv_rows(results: list[dict], environment: dict) -> list[dict]:
+    """``kernel_speed.csv`` rows of a stage's results (timed cases and failed contracts)."""
+    shapes = {s.name: s for s in SHAPES}
+    rows = []
+    for r in results:
+        if r.get("skipped") or r.get("oom"):
+            continue
+        base = {"device": environment.get("device", ""), "date": environment.get("date", "")[:10],
+                "torch": environment.get("torch", ""), "backend": r["backend"], "contract": r["contract"]}
+        if "fwd_ms" not in r:  # a failed contract: no timing, but auto must see it
+            rows.append({**base, "kind": "dense"})
+            continue
+        shape = shapes[r["shape"]]
+        rows.append({**base, "shape": shape.name, "q_heads": shape.q_heads, "kv_heads": shape.kv_heads,
+                     "head_dim": shape.head_dim, "length": r["length"], "tokens": r["tokens"], "kind": r["kind"],
+                     **{k: f"{r[k]:.4g}" for k in ("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops")}})
+    return rows
+
+
+def ranking(results: list[dict], device: str) -> list[tuple[str, float]]:
+    """(backend, geometric-mean fwd+bwd TFLOP/s over its dense cases), fastest first."""
+    rows = csv_rows(results, {"device": device})
+    return sorted(scores(rows, device).items(), key=lambda item: -item[1])
+
+
+__all__ = ["KERNEL_SPEED_CSV", "SHAPES", "Case", "causal_flops", "document_lengths", "plan_cases", "ranking",
+           "run_attention_stage", "time_case"]
