@@ -20,7 +20,7 @@ segment on CPU, one varlen call on CUDA). A variant that refuses document masks 
 e.g. a CUDA backend without a varlen kernel) is skipped with its reason.
 
 ``--compare-model`` adds, for UPipe, the implementation's term model and the paper's
-Table 2/6 formulas (see ``titan_upipe.attention.memory_model``); use it with
+Table 2/6 formulas (see ``titan_upipe.costs.attention_memory``); use it with
 ``--frozen-weights`` (activations only, the quantity those formulas describe).
 
 Examples::
@@ -224,7 +224,7 @@ def _peak_forward_no_grad(run, inputs, device) -> int:
             run(*inputs)
             _sync(device)
             return torch.cuda.max_memory_allocated(device) - base
-        from titan_upipe.memory_tracker import LiveTensorTracker
+        from titan_upipe.tools.memory_tracker import LiveTensorTracker
 
         with LiveTensorTracker() as mem:
             run(*inputs)
@@ -245,7 +245,7 @@ def _peak_step(run, inputs, grad_y, device) -> tuple[int, int]:
         y.backward(grad_y)
         _sync(device)
         return fwd, torch.cuda.max_memory_allocated(device) - base_bwd + (base_bwd - base)
-    from titan_upipe.memory_tracker import LiveTensorTracker
+    from titan_upipe.tools.memory_tracker import LiveTensorTracker
 
     with LiveTensorTracker() as mem:
         y = run(*inputs)
@@ -319,7 +319,7 @@ def _document_masks(args: argparse.Namespace, device: torch.device) -> list:
 
 def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row]:
     from titan_upipe.attention import convert_attention
-    from titan_upipe.attention.memory_model import (
+    from titan_upipe.costs.attention_memory import (
         LayerShape,
         paper_table2_peak,
         paper_table6_peak,

@@ -1,6 +1,6 @@
 """Per-rank attention work under document masking: zigzag ring vs. balancing layouts.
 
-Pure arithmetic (``titan_upipe.parallel.document_balance``): for packed sequences of ``S`` tokens
+Pure arithmetic (``titan_upipe.costs.document_balance``): for packed sequences of ``S`` tokens
 drawn from a document-length mix, the number of visible (query, key) pairs per ring rank and per
 ring step under block-causal document masking, for
 
@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_upipe.parallel.document_balance import (  # noqa: E402
+from titan_upipe.costs.document_balance import (  # noqa: E402
     contiguous_intervals,
     document_zigzag_intervals,
     greedy_chunk_intervals,

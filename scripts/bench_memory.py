@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_upipe.attention.projection import RotaryKind, rotate, rotate_  # noqa: E402
-from titan_upipe.memory_tracker import LiveTensorTracker, mib  # noqa: E402
+from titan_upipe.tools.memory_tracker import LiveTensorTracker, mib  # noqa: E402
 from titan_upipe.transforms.fused_ce import FusedCrossEntropyHead  # noqa: E402
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac  # noqa: E402
 from titan_upipe.transforms.rope import inverse_frequencies, table_for_positions  # noqa: E402

@@ -36,13 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torchtitan.distributed.activation_checkpoint as titan_ac  # noqa: E402
 
-from titan_upipe import parallelize, validation  # noqa: E402
 from titan_upipe.plan.block import attention_terms, block_retained  # noqa: E402
 from titan_upipe.plan.job_config import plan_input_from_job_config  # noqa: E402
 from titan_upipe.plan.sizes import StepSizes  # noqa: E402
 from titan_upipe.plan.step import plan  # noqa: E402
-from titan_upipe.registry import register_plugin  # noqa: E402
-from titan_upipe.train import parse_config  # noqa: E402
+from titan_upipe.torchtitan_0_2 import checks as validation  # noqa: E402
+from titan_upipe.torchtitan_0_2 import parallelize
+from titan_upipe.torchtitan_0_2.launch import parse_config  # noqa: E402
+from titan_upipe.torchtitan_0_2.registry import register_plugin  # noqa: E402
 
 GIB = 1024**3
 BASE = "configs/debug/llama3_upipe_transforms.toml"

@@ -11,9 +11,9 @@ if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch; assert torch.cu
 fi
 site=${GPU_SUITE_SITE:-/tmp/titan_upipe_site}
 if ! "$py" -c "import torchtitan" 2>/dev/null; then
-  "$py" titan_upipe/gpu_wheels.py install .whl --target "$site"
+  "$py" titan_upipe/tools/gpu_wheels.py install .whl --target "$site"
   # the target and what its .pth files add (the CuTe DSL's cutlass modules): PYTHONPATH runs no .pth
-  export PYTHONPATH="$("$py" titan_upipe/gpu_wheels.py pythonpath --target "$site")${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$("$py" titan_upipe/tools/gpu_wheels.py pythonpath --target "$site")${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true

@@ -5,7 +5,7 @@
 RUN is a TensorBoard run folder (the one holding ``events.out.tfevents.*``, or its ``rank_0``
 with ``metrics.save_for_all_ranks``), the ``tb`` folder above it (the newest run inside is used)
 or the job's dump folder. Panels follow the
-custom-scalars layout the run recorded (``titan_upipe.metrics.CUSTOM_SCALARS_LAYOUT``, written
+custom-scalars layout the run recorded (``titan_upipe.torchtitan_0_2.metrics.CUSTOM_SCALARS_LAYOUT``, written
 by every titan_upipe run); for a run without one, that layout is imported from the plugin.
 One row per group, one panel per chart, one line per tag. Needs matplotlib
 (``pip install -e ".[plots]"``); draws off-screen (Agg), so no display is required.
@@ -71,7 +71,7 @@ def _parse_layout(serialized: bytes) -> Layout:
 
 
 def plugin_layout() -> Layout:
-    from titan_upipe.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
 
     return {group: {title: list(tags) for title, (_, tags) in charts.items()}
             for group, charts in CUSTOM_SCALARS_LAYOUT.items()}

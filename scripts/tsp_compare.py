@@ -1,5 +1,5 @@
 """TSP next to Ulysses and UPipe: communication per training step and weight memory per rank
-(docs/tsp.md). Arithmetic from the exact per-layer counts (``titan_upipe.tsp.comm``, checked
+(docs/tsp.md). Arithmetic from the exact per-layer counts (``titan_upipe.costs.tsp_comm``, checked
 byte for byte against the CPU runs in tests/test_tsp.py; ``attention.comm_model`` for the
 all-to-alls) and the paper's eqs. 14-16; bf16 weights and activations, fp32 gradient sums, full
 activation checkpointing (the forward's communication runs twice), batch 1, D = 8 ranks.
@@ -9,10 +9,11 @@ activation checkpointing (the forward's communication runs twice), batch 1, D = 
 
 from __future__ import annotations
 
-from titan_upipe.attention.comm_model import attention_comm_bytes
 from titan_upipe.attention.schedule import build_schedule
+from titan_upipe.costs.attention_comm import attention_comm_bytes
+from titan_upipe.costs.tsp_comm import layer_comm_bytes, paper_layer_comm_bytes
 from titan_upipe.plan import model_dims, parse_length
-from titan_upipe.tsp import TSPShards, layer_comm_bytes, paper_layer_comm_bytes
+from titan_upipe.tsp import TSPShards
 
 D, BETA = 8, 2
 LENGTHS = ("128K", "256K", "512K", "1M")

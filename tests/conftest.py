@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 from text_assets import text_job_overrides, write_corpus, write_hf_weights, write_tokenizer  # noqa: E402
 from trainer_utils import E2E_STEPS, create_seed_checkpoint, e2e_validation, load_seed, torchrun  # noqa: E402
 
-from titan_upipe.registry import register_plugin  # noqa: E402
+from titan_upipe.torchtitan_0_2.registry import register_plugin  # noqa: E402
 
 register_plugin()
 

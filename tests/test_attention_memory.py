@@ -30,7 +30,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from titan_upipe.attention.memory_model import (
+from titan_upipe.costs.attention_memory import (
     LayerShape,
     paper_table2_peak,
     paper_table6_peak,
@@ -73,8 +73,8 @@ def measure_layer(rank: int, world: int, mesh) -> dict[tuple[str, str, int | Non
     from torchtitan.models.qwen3.model.model import Attention, precompute_rope_cache
 
     from titan_upipe.attention import convert_attention
-    from titan_upipe.memory_tracker import LiveTensorTracker
     from titan_upipe.parallel import shard_sequence
+    from titan_upipe.tools.memory_tracker import LiveTensorTracker
 
     results = {}
     for layout, (n_heads, n_kv) in LAYOUTS.items():

@@ -19,8 +19,8 @@ from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
 from titan_upipe.attention import convert_attention
-from titan_upipe.config import ConfigError
 from titan_upipe.parallel import ContiguousLayout, shard_sequence
+from titan_upipe.torchtitan_0_2.config import ConfigError
 
 
 class NoCommMesh:

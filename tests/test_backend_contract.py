@@ -1,4 +1,4 @@
-"""The local-attention backend contract (``titan_upipe.attention.contract``) on every backend.
+"""The local-attention backend contract (``titan_upipe.contracts.backend``) on every backend.
 
 Keys split into two blocks, forward merged by LSE, each block's backward fed the merged
 out/lse, gradients summed: they must equal the whole attention's (fp64 autograd), within
@@ -36,8 +36,8 @@ from titan_upipe.attention.backends import (
     choose_backend,
     get_backend,
 )
-from titan_upipe.attention.contract import ContractCase, check_contract, contract_cases
-from titan_upipe.config import ConfigError
+from titan_upipe.contracts.backend import ContractCase, check_contract, contract_cases
+from titan_upipe.torchtitan_0_2.config import ConfigError
 
 CASES = contract_cases((torch.float32, torch.bfloat16))
 SPLIT_CASES = [c for c in CASES if c.dtype == torch.float32]
@@ -245,8 +245,8 @@ def test_cuda_backends_honour_the_contract(case):
 
 def test_job_with_an_unusable_backend_fails_before_any_process_group(monkeypatch):
     """Before process groups: package metadata and dtype only (it may run on a login node)."""
-    from titan_upipe.train import parse_config
-    from titan_upipe.validation import check_job
+    from titan_upipe.torchtitan_0_2.checks import check_job
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: False))
     ring = ["--job.config_file", "configs/debug/ring.toml", "--upipe.attention_backend"]

@@ -11,7 +11,7 @@ import torch
 from dist_utils import run_distributed
 from trainer_utils import REPO
 
-from titan_upipe.check import relative_error
+from titan_upipe.tools.parity import relative_error
 
 # (config, ranks, overrides): the check through torchrun. The other CP modes' configs run in-process
 # on the shared rank pools (no torchrun start on the 2-core CI machine): USP and UPipe with C = 4 >
@@ -47,7 +47,7 @@ def _check_in_pool(rank, world, mesh, config, *extra):
     import contextlib
     import io
 
-    from titan_upipe.check import run_check
+    from titan_upipe.tools.parity import run_check
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = io.StringIO()
@@ -86,7 +86,7 @@ def test_parity_check_bf16_reports_nonzero_errors_within_tolerance():
 
 def test_parity_check_rejects_wrong_world_size(monkeypatch):
     """One process for a CP 2 config: refused before any process group (in-process: no torchrun)."""
-    from titan_upipe.check import run_check
+    from titan_upipe.tools.parity import run_check
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit, match="--nproc_per_node 2"):
@@ -97,7 +97,7 @@ def _check_with_shifted_positions(rank, world, mesh, config):
     """The check with a sabotaged layout: the shards' tokens come from the reversed sequence
     while their positions are right (positions alone would trip the converters' layout check)."""
     import titan_upipe.parallel as parallel
-    from titan_upipe.check import run_check
+    from titan_upipe.tools.parity import run_check
 
     real = parallel.shard_sequence
 
@@ -130,7 +130,7 @@ DOCS_CONFIG = "configs/debug/llama3_upipe_docs.toml"  # debug_flex: attn_mask_ty
 def _check_documents(rank, world, mesh, overrides, drop_mask):
     """The check on packed documents; ``drop_mask``: the parallel model gets no document mask
     (plain causal attention across the EOS tokens), which the per-document reference must catch."""
-    import titan_upipe.check as check
+    import titan_upipe.tools.parity as check
 
     real = check.document_attention_masks
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -151,7 +151,7 @@ def test_parity_check_with_packed_documents():
 
 
 def test_packed_document_tokens_and_runs():
-    from titan_upipe.cp_inputs import document_runs, packed_document_tokens
+    from titan_upipe.torchtitan_0_2.cp_inputs import document_runs, packed_document_tokens
 
     tokens = packed_document_tokens(torch.zeros(2, 12, dtype=torch.long), eos_id=9)
     # EOS at 0, S/3 + b, S/3 + b + 1, 2S/3 + 1 - b: each ends its document
@@ -166,7 +166,7 @@ def _check_tsp(rank, world, mesh, overrides, flip_tokens):
     """The check of ``tsp`` on ``world`` ranks; ``flip_tokens``: the shards' tokens come from the
     reversed sequence (their positions right), which the check must catch."""
     import titan_upipe.parallel as parallel
-    from titan_upipe.check import run_check
+    from titan_upipe.tools.parity import run_check
 
     real = parallel.shard_sequence
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

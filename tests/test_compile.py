@@ -17,7 +17,7 @@ from torch import nn
 from trainer_utils import E2E_STEPS, assert_losses_close, load_seed, losses, torchrun
 
 from titan_upipe.attention import convert_attention
-from titan_upipe.compile_parts import compile_parts, needs_part_compile
+from titan_upipe.torchtitan_0_2.compile_parts import compile_parts, needs_part_compile
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards
 
@@ -86,7 +86,7 @@ def test_compiled_parts_are_norms_and_feed_forwards_never_the_attention(family, 
 
 
 def _job(*overrides: str):
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     return parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--compile.enable",
                          "--compile.backend", "aot_eager", *overrides])
@@ -99,7 +99,7 @@ ONE_RANK = ("--parallelism.context_parallel_degree", "1", "--model.converters", 
 def test_parallelize_compiles_parts_with_cp_attention_and_whole_blocks_without():
     from torchtitan.distributed import ParallelDims
 
-    from titan_upipe.parallelize import parallelize
+    from titan_upipe.torchtitan_0_2.parallelize import parallelize
 
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     cp_model = parallelize(converted("llama3", "upipe"), dims, _job(*ONE_RANK))
@@ -113,7 +113,7 @@ def test_parallelize_compiles_parts_with_cp_attention_and_whole_blocks_without()
 
 def test_memory_budget_with_compiled_cp_blocks_is_refused_before_any_process_group():
     from titan_upipe.errors import ConfigError
-    from titan_upipe.validation import check_job
+    from titan_upipe.torchtitan_0_2.checks import check_job
 
     check_job(_job("--activation_checkpoint.mode", "full"), world_size=2)  # compile with UPipe is accepted
     with pytest.raises(ConfigError, match=r"activation_checkpoint.mode = \"memory_budget\" with compile.enable"):

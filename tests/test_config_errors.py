@@ -10,9 +10,10 @@ import pytest
 import torch
 from trainer_utils import REPO
 
-from titan_upipe import train, validate
-from titan_upipe.config import ConfigError, Transforms
-from titan_upipe.config_parse import console_error_line
+from titan_upipe.tools import preflight as validate
+from titan_upipe.torchtitan_0_2 import launch as train
+from titan_upipe.torchtitan_0_2.config import ConfigError, Transforms
+from titan_upipe.torchtitan_0_2.config_parse import console_error_line
 
 UPIPE = str(REPO / "configs/debug/llama3_upipe.toml")  # CP = 2, data_parallel_shard_degree = -1
 PREFIX = "titan_upipe.train: error: "

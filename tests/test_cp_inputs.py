@@ -9,10 +9,10 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, create_mask
 from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
 
-from titan_upipe.cp_inputs import document_attention_masks
 from titan_upipe.data import tokenizer as vocab
 from titan_upipe.data.synthetic import docs_sample
 from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_2.cp_inputs import document_attention_masks
 
 EOS = vocab.EOS_ID
 

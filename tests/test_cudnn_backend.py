@@ -25,9 +25,9 @@ from aten_cudnn_emulation import EmulatedAtenCudnn, emulated_cudnn_backend
 
 from titan_upipe.attention import backends
 from titan_upipe.attention.backends import AUTO_ORDER, CudnnBackend, choose_backend
-from titan_upipe.attention.contract import check_contract, contract_cases
 from titan_upipe.attention.cudnn_backend import masked_call_problem
-from titan_upipe.config import ConfigError
+from titan_upipe.contracts.backend import check_contract, contract_cases
+from titan_upipe.torchtitan_0_2.config import ConfigError
 
 BF16_CASES = contract_cases((torch.bfloat16,))
 

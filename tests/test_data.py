@@ -106,9 +106,9 @@ def test_docs_loss_depends_on_the_document_mask():
     import torch.nn.functional as F
     from torchtitan.models.llama3.model.model import Transformer
 
-    from titan_upipe.check import reference_prediction
-    from titan_upipe.cp_inputs import document_runs
-    from titan_upipe.flavors import model_flavors
+    from titan_upipe.tools.parity import reference_prediction
+    from titan_upipe.torchtitan_0_2.cp_inputs import document_runs
+    from titan_upipe.torchtitan_0_2.flavors import model_flavors
 
     args = copy.deepcopy(model_flavors("upipe_llama3")["debug"])
     args.max_seq_len = 512

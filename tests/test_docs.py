@@ -25,7 +25,7 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 
 
 def _sections():
-    from titan_upipe.config import (
+    from titan_upipe.torchtitan_0_2.config import (
         ActivationCheckpointOffload,
         LocalData,
         OptimizerHostState,
@@ -74,7 +74,7 @@ def test_every_config_key_is_documented_with_its_default(section):
 
 
 def test_choice_keys_list_every_valid_value():
-    from titan_upipe.config import ATTENTION_BACKENDS, KERNEL_BACKENDS
+    from titan_upipe.torchtitan_0_2.config import ATTENTION_BACKENDS, KERNEL_BACKENDS
 
     doc = CONFIG_DOC.read_text()
     for section, key, choices in (("upipe", "attention_backend", ATTENTION_BACKENDS),
@@ -85,7 +85,7 @@ def test_choice_keys_list_every_valid_value():
 
 
 def test_every_converter_and_train_spec_is_documented():
-    from titan_upipe import converters, flavors
+    from titan_upipe.torchtitan_0_2 import converters, flavors
 
     doc = CONFIG_DOC.read_text()
     names = [*converters.CP_CONVERTERS, *converters.TRANSFORM_CONVERTERS]
@@ -97,7 +97,7 @@ def test_every_converter_and_train_spec_is_documented():
 
 
 def _layout_tags() -> list[str]:
-    from titan_upipe.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
 
     return [tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags]
 
@@ -119,7 +119,7 @@ def _plot_dashboard():
 def test_plot_dashboard_renders_a_png(tmp_path, with_layout):
     from torch.utils.tensorboard import SummaryWriter
 
-    from titan_upipe.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
 
     run = tmp_path / "tb" / "20260101-0000"  # the trainer's <dump_folder>/tb/<timestamp> layout
     writer = SummaryWriter(str(run))
@@ -200,8 +200,8 @@ def test_documented_cpu_launch_commands_can_run():
     """Each command's config, rank count and overrides pass every check the trainer makes before
     starting (``validate --no-assets``): e.g. run_train.sh's header once showed a CP = 4 config
     on 2 ranks."""
-    from titan_upipe.train import parse_config
-    from titan_upipe.validate import find_problems
+    from titan_upipe.tools.preflight import find_problems
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     commands = _cpu_launch_commands()
     problems = {command: find_problems(parse_config(["--job.config_file", str(REPO / command[0]), *command[2]]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from titan_upipe.parallel.document_balance import (
+from titan_upipe.costs.document_balance import (
     contiguous_intervals,
     cp_rank_work,
     document_zigzag_intervals,
@@ -88,7 +88,7 @@ def test_merge_runs_and_usp_work():
 
 
 def test_simulate_ring_bounds():
-    from titan_upipe.parallel.document_balance import ring_time, simulate_ring
+    from titan_upipe.costs.document_balance import ring_time, simulate_ring
 
     rng = np.random.default_rng(0)
     W = rng.integers(0, 100, size=(4, 4)).astype(float)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from titan_upipe import gpu_attention, gpu_queue, gpu_suite
 from titan_upipe.attention import kernel_speed
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, SdpaBackend
+from titan_upipe.tools import gpu_attention, gpu_queue, gpu_suite
 
 # --- FLOPs and the document mix ----------------------------------------------------------------
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_upipe import gpu_reports, gpu_suite, gpu_wheels
 from titan_upipe.attention.backends import SdpaCpuKernels
+from titan_upipe.tools import gpu_reports, gpu_suite, gpu_wheels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,7 +157,7 @@ def test_kernels_stage_runs_on_cpu_and_writes_its_report(tmp_path):
 
 def test_kernels_stage_fails_on_a_wrong_attention_gradient(monkeypatch):
     """A backward whose dV is 50 % off fails both the contract and the model-level bf16 parity."""
-    from titan_upipe import gpu_kernels
+    from titan_upipe.tools import gpu_kernels
 
     original = SdpaCpuKernels.backward
 

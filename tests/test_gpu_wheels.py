@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from titan_upipe import gpu_wheels
+from titan_upipe.tools import gpu_wheels
 
 
 @pytest.fixture(scope="module")

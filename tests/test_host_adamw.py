@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from titan_upipe.host_adamw import HostStateAdamW, host_state_bytes, work_buffer_bytes
-from titan_upipe.memory_tracker import LiveTensorTracker
+from titan_upipe.optim.host_adamw import HostStateAdamW, host_state_bytes, work_buffer_bytes
+from titan_upipe.tools.memory_tracker import LiveTensorTracker
 
 IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 
@@ -252,7 +252,7 @@ def test_spec_builds_host_state_adamw_only_with_the_switch():
     from torchtitan.config import Optimizer as OptimizerConfig
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from titan_upipe.config import OptimizerHostState
+    from titan_upipe.torchtitan_0_2.config import OptimizerHostState
 
     build = get_train_spec("upipe_llama3").build_optimizers_fn
     model = _model()
@@ -276,9 +276,9 @@ def test_spec_builds_host_state_adamw_only_with_the_switch():
     (("--fault_tolerance.enable",), r"^optimizer.state_on_host = true does not support fault_tolerance.enable"),
 ])
 def test_settings_it_does_not_run_are_refused(overrides, message):
-    from titan_upipe.config import ConfigError
-    from titan_upipe.train import parse_config
-    from titan_upipe.validation import check_optimizer
+    from titan_upipe.torchtitan_0_2.checks import check_optimizer
+    from titan_upipe.torchtitan_0_2.config import ConfigError
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     job = parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host",
                         *overrides])
@@ -296,7 +296,7 @@ def _meta_shards(spec_name: str, flavor: str, world: int) -> list[int]:
     the plugin's flavor, FSDP2's dim-0 sharding: ceil(rows / W) x the rest."""
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from titan_upipe.flavors import model_flavors
+    from titan_upipe.torchtitan_0_2.flavors import model_flavors
 
     with torch.device("meta"):
         model = get_train_spec(spec_name).model_cls(model_flavors(spec_name)[flavor])

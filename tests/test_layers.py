@@ -19,13 +19,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "parallel", "attention", "transforms", "tsp", "memory_tracker", "host_adamw"),
-    "glue": ("config", "flavors", "validation", "metrics", "loss", "parallelize", "specs", "converters", "trainer",
-             "cp_inputs", "validator", "compile_parts", "optimizers", "grad_norm",
-             "cpu_runtime", "data", "job_assets", "registry", "plugin", "train", "config_parse"),
-    "tools": ("validate", "check", "plan", "emulate", "gpu_suite", "gpu_kernels", "gpu_attention", "gpu_queue",
-              "gpu_reports", "gpu_wheels", "paper_tables"),
+    "core": ("errors", "parallel", "attention", "transforms", "tsp", "optim", "costs", "contracts"),
+    "glue": ("torchtitan_0_2", "data", "plugin", "config"),
+    "tools": ("tools", "plan", "emulate", "train", "validate", "check", "gpu_suite"),
 }
+"""Folders (and the root's few modules) by layer: ``errors`` is the error type; ``plugin`` and
+``config`` are TorchTitan's entry points (``custom_import``, ``custom_config_module``); ``train``,
+``validate``, ``check`` and ``gpu_suite`` are ``-m`` shims over the glue and the tools."""
+ROOT_MODULES = ("__init__", "errors", "plugin", "config", "train", "validate", "check", "gpu_suite")
+MAX_ROOT_MODULES = 12
 ORDER = {"core": 0, "glue": 1, "tools": 2}
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
@@ -148,6 +150,20 @@ def test_the_package_has_three_layers_no_cycle_and_small_units():
     assert layer_violations() == []
 
 
+def test_the_root_holds_only_entry_points_and_folders_are_layers():
+    """Every other module lives in a folder that belongs to one layer (``LAYERS``)."""
+    root_modules = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert root_modules == sorted(ROOT_MODULES) and len(root_modules) <= MAX_ROOT_MODULES
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    listed = [name for names in LAYERS.values() for name in names]
+    assert set(folders) <= set(listed), sorted(set(folders) - set(listed))
+    assert len(listed) == len(set(listed))  # one layer each
+    # the three names TorchTitan users mix up are never in one folder
+    for folder in [PACKAGE, *(PACKAGE / f for f in folders)]:
+        stems = {p.stem for p in folder.glob("*.py")}
+        assert len(stems & {"validate", "validation", "validator"}) <= 1, (folder, stems)
+
+
 def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
     root = tmp_path / PACKAGE.name
     shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
@@ -160,11 +176,11 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
     "module, code, expected",
     [
         # a lazy import closing a cycle (what the package had before issue 14)
-        ("titan_upipe.flavors", "\n\ndef _late():\n    from titan_upipe import validation\n",
+        ("titan_upipe.torchtitan_0_2.flavors", "\n\ndef _late():\n    from titan_upipe.torchtitan_0_2 import checks\n",
          "import cycle"),
         ("titan_upipe.attention.ring", "\nfrom titan_upipe import config\n", "imports must point down"),
         ("titan_upipe.transforms.tiling", "\nimport torchtitan.tools.logging\n", "the core may import only"),
-        ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.check\n", "inside a function"),
+        ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
         ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
     ],
 )
@@ -180,8 +196,8 @@ names = [m.name for m in pkgutil.walk_packages(titan_upipe.__path__, "titan_upip
          if m.name != "titan_upipe.plugin" and not m.name.endswith("__main__")]
 for name in names:
     importlib.import_module(name)
-from titan_upipe.train import parse_config
-from titan_upipe.validation import check_job
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.checks import check_job
 check_job(parse_config(["--job.config_file", "configs/debug/llama3_upipe_transforms.toml"]), 2)  # needs no registry
 from torchtitan.protocols import model_converter
 from torchtitan.protocols.train_spec import get_train_spec

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from titan_upipe.converters import _LayoutCheck
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import shard_sequence
+from titan_upipe.torchtitan_0_2.converters import _LayoutCheck
 
 
 class RingMesh:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from trainer_utils import read_scalars
 
-from titan_upipe.metrics import (
+from titan_upipe.torchtitan_0_2.metrics import (
     CUSTOM_SCALARS_LAYOUT,
     LongContextMetricsProcessor,
     causal_attention_flops_per_token,

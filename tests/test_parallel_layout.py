@@ -6,8 +6,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from titan_upipe.config import ConfigError
 from titan_upipe.parallel import ContiguousLayout
+from titan_upipe.torchtitan_0_2.config import ConfigError
 
 
 def test_positions_and_owner_roundtrip() -> None:

@@ -95,7 +95,7 @@ def test_upipe_attention_terms_shrink_with_u():
 
 def test_upipe_forward_attention_term_shrinks_like_paper_table2():
     """The per-stage forward term reused from memory_model: with U = H it is Ulysses' all heads."""
-    from titan_upipe.attention.memory_model import LayerShape, upipe_forward_terms
+    from titan_upipe.costs.attention_memory import LayerShape, upipe_forward_terms
 
     shape = LayerShape(32, 8, 128, cp_degree=8, seq_len=8 * 1024, batch=1, dim=4096, elem_bytes=2)
     small, full = sum(upipe_forward_terms(shape, 8).values()), sum(upipe_forward_terms(shape, 32).values())
@@ -226,7 +226,7 @@ def test_plot_is_written(tmp_path, capsys):
 EMULATE = r"""
 import json, sys
 from titan_upipe.emulate import measure_step  # measure_step registers the plugin itself
-from titan_upipe.train import parse_config
+from titan_upipe.torchtitan_0_2.launch import parse_config
 out = []
 for spec in json.loads(sys.argv[1]):
     m = measure_step(parse_config(spec["args"]), spec["world"], fake=True, time_attention=False)
@@ -269,7 +269,7 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     for (args, world), got in zip(CASES, measured, strict=True):
         result = P.plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
@@ -288,7 +288,7 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
 
 def _real_rank(rank, world, mesh, args):
     from titan_upipe.emulate import measure_step
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     return measure_step(parse_config(args), world, fake=False, time_attention=False).total_peak_bytes
 
@@ -299,7 +299,7 @@ def test_prediction_within_10_percent_of_a_real_gloo_job():
 
     args = ["--job.config_file", str(REPO / "configs/debug/upipe.toml"), "--training.seq_len", "256"]
     per_rank = run_distributed(4, _real_rank, args, timeout=600)
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     predicted = P.plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
     for total in per_rank:

@@ -42,8 +42,8 @@ def test_recipe_matrix():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.path for r in RECIPES])
 def test_config_validates_for_its_world_size(recipe):
-    from titan_upipe.train import parse_config
-    from titan_upipe.validate import find_problems
+    from titan_upipe.tools.preflight import find_problems
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     job_config = parse_config(["--job.config_file", str(REPO / recipe.path)])
     assert find_problems(job_config, recipe.ranks) == []
@@ -53,7 +53,7 @@ def test_config_validates_for_its_world_size(recipe):
 
 
 def test_paper_setup_in_gpu_recipes():
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     job_config = parse_config(["--job.config_file", str(REPO / "configs/llama3_8b/upipe_5m.toml")])
     assert job_config.training.seq_len == 5 * 1024 * 1024
@@ -67,7 +67,7 @@ def test_paper_setup_in_gpu_recipes():
 
 def test_validate_command(capsys):
     """The ``python -m`` entry once (exit code and output), then the same ``main`` in-process."""
-    from titan_upipe import validate
+    from titan_upipe.tools import preflight as validate
 
     ok = subprocess.run([sys.executable, "-m", "titan_upipe.validate", "configs/debug/upipe.toml", "--world-size", "4"],
                         cwd=REPO, capture_output=True, text=True)
@@ -119,7 +119,7 @@ def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.units import GIB
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length, late in (("6m", False), ("7m", True)):
@@ -141,7 +141,7 @@ def test_qwen3_32b_past_4m_recipes_fit_by_the_planner():
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.units import GIB
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length in ("5m", "6m"):

@@ -26,7 +26,7 @@ from text_assets import (
 from trainer_utils import assert_losses_close, losses, read_scalars, torchrun
 
 from titan_upipe.data.local_text import LocalTextStream, expand_paths
-from titan_upipe.job_assets import check_resume_point, checkpoint_keys
+from titan_upipe.torchtitan_0_2.job_assets import check_resume_point, checkpoint_keys
 
 SEQ = TEXT_JOB_SEQ
 STEPS = TEXT_JOB_STEPS
@@ -138,7 +138,7 @@ def test_a_model_only_final_save_is_refused_before_training(reference, tmp_path)
     import torch.distributed.checkpoint as dcp
 
     from titan_upipe.errors import ConfigError
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     folder = tmp_path / "checkpoint"
     shutil.copytree(reference / "checkpoint" / "step-2", folder / "step-2")

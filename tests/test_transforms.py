@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_upipe.memory_tracker import LiveTensorTracker
+from titan_upipe.tools.memory_tracker import LiveTensorTracker
 from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy
 from titan_upipe.transforms.model_forward import FinalHiddenStates, enable_fused_rope
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
@@ -235,7 +235,7 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
     """``fused_rope`` makes the CP attention rotate in place (where no gradient is recorded)
     whichever converter runs first; without it the attention keeps TorchTitan's RoPE."""
     import titan_upipe.attention.projection as projection
-    from titan_upipe.converters import UPipeConverter
+    from titan_upipe.torchtitan_0_2.converters import UPipeConverter
 
     converter = UPipeConverter.__new__(UPipeConverter)
     from titan_upipe.attention.backends import BackendChoice
@@ -469,13 +469,13 @@ TRANSFORMS_CONFIG = "configs/debug/llama3_upipe_transforms.toml"
 
 
 def transforms_job(*overrides: str):
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     return parse_config(["--job.config_file", TRANSFORMS_CONFIG, *overrides])
 
 
 def test_transforms_config_is_valid_and_parsed():
-    from titan_upipe.validation import check_job
+    from titan_upipe.torchtitan_0_2.checks import check_job
 
     job = transforms_job()
     check_job(job, world_size=2)
@@ -496,8 +496,8 @@ def test_transforms_config_is_valid_and_parsed():
     ],
 )
 def test_invalid_transform_jobs_are_rejected_before_any_process_group(overrides, message):
-    from titan_upipe.config import ConfigError
-    from titan_upipe.validation import check_job
+    from titan_upipe.torchtitan_0_2.checks import check_job
+    from titan_upipe.torchtitan_0_2.config import ConfigError
 
     if "liger" in overrides and torch.cuda.is_available():
         pytest.skip("CUDA present: liger may be usable")
@@ -507,8 +507,8 @@ def test_invalid_transform_jobs_are_rejected_before_any_process_group(overrides,
 
 @pytest.mark.parametrize("key", ["mlp_tile_tokens", "rmsnorm_tile_tokens", "ce_chunk_tokens"])
 def test_negative_tile_sizes_name_the_key(tmp_path, key):
-    from titan_upipe.config import ConfigError
-    from titan_upipe.train import parse_config
+    from titan_upipe.torchtitan_0_2.config import ConfigError
+    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     path = tmp_path / "job.toml"
     path.write_text(f"[transforms]\n{key} = -4\n")

@@ -14,6 +14,7 @@ from test_attention_parity import HEAD_DIM, _rel_err, build_reference, reference
 
 from titan_upipe.attention.backends import get_backend
 from titan_upipe.attention.projection import RotaryKind
+from titan_upipe.costs.tsp_comm import layer_comm_bytes
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.layout import ZigzagLayout
 from titan_upipe.tsp import (
@@ -21,7 +22,6 @@ from titan_upipe.tsp import (
     Pending,
     TSPShards,
     check_tsp_degree,
-    layer_comm_bytes,
     pack_attention_shard,
     tsp_attention,
     tsp_gated_mlp,
@@ -354,7 +354,7 @@ def _owner_sum_backward_peaks(rank, world, mesh):
     import gc
 
     import titan_upipe.tsp.attention as tsp_attention_module
-    from titan_upipe.memory_tracker import LiveTensorTracker
+    from titan_upipe.tools.memory_tracker import LiveTensorTracker
 
     torch.manual_seed(0)
     seq, heads = 128 * world, 8
@@ -399,7 +399,7 @@ def _clip_across_meshes(rank, world, mesh):
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from titan_upipe.grad_norm import clip_grad_norm_
+    from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 
     ring = mesh._unflatten(0, (world,), ("ring",))  # a second mesh over the same ranks, as tsp builds
     full_a, full_b = torch.arange(8.0).reshape(4, 2), torch.full((6,), 3.0)

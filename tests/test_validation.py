@@ -2,9 +2,9 @@
 
 import pytest
 
-from titan_upipe.config import ConfigError
-from titan_upipe.train import parse_config
-from titan_upipe.validation import check_job, cp_mode
+from titan_upipe.torchtitan_0_2.checks import check_job, cp_mode
+from titan_upipe.torchtitan_0_2.config import ConfigError
+from titan_upipe.torchtitan_0_2.launch import parse_config
 
 UPIPE = "configs/debug/llama3_upipe.toml"  # llama3 debug: 8 query heads, 2 KV heads, CP = 2
 
@@ -93,7 +93,7 @@ def test_invalid_ring_and_usp_jobs(config, overrides, world, message):
 def test_the_old_custom_import_value_is_a_validate_warning_naming_the_new_one(capsys):
     """``custom_import = "titan_upipe"`` would register nothing under torchtitan.train now; under
     titan_upipe.train it still runs, so the job checks accept it and ``validate`` warns."""
-    from titan_upipe import validate
+    from titan_upipe.tools import preflight as validate
 
     check_job(job("--experimental.custom_import", "titan_upipe"), world_size=2)
     assert validate.main([UPIPE, "--world-size", "2", "--experimental.custom_import", "titan_upipe"]) == 0
@@ -128,7 +128,7 @@ def test_local_text_validation_needs_its_files(tmp_path):
             "--validation.steps", "1", "--validation.seq_len", "512")
     with pytest.raises(ConfigError, match="needs validation.dataset_path"):
         check_job(job(*text), world_size=2)
-    from titan_upipe.job_assets import check_dataset
+    from titan_upipe.torchtitan_0_2.job_assets import check_dataset
 
     missing = job(*text, "--validation.dataset_path", str(tmp_path / "*.jsonl"), "--local_data.paths",
                   str(tmp_path / "*.txt"))
@@ -160,7 +160,7 @@ def flavor_with(monkeypatch):
     """Register a llama3 debug flavor with the given attention settings for one test; its name."""
     from torchtitan.models.llama3 import TransformerModelArgs
 
-    from titan_upipe import flavors
+    from titan_upipe.torchtitan_0_2 import flavors
 
     def register(**attention) -> str:
         args = TransformerModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=512, **attention)
@@ -229,7 +229,7 @@ def test_auto_with_packed_documents_on_cuda_passes_over_backends_without_varlen(
     import torchtitan.tools.utils as titan_utils
 
     from titan_upipe.attention import backends
-    from titan_upipe.validation import attention_backend_choice
+    from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 
     monkeypatch.setattr(titan_utils, "device_type", "cuda")
     monkeypatch.setattr(backends, "AUTO_ORDER", ("cudnn", "flash_attn4", "sdpa"))

@@ -26,7 +26,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titan_upipe import gpu_kernels
 from titan_upipe.attention import flash_backends
 from titan_upipe.attention.backends import (
     FlashAttn2Backend,
@@ -45,8 +44,9 @@ from titan_upipe.attention.documents import (
     segmented_causal_backward,
     segmented_causal_forward,
 )
-from titan_upipe.attention.varlen_contract import VarlenCase, check_varlen, document_ids
+from titan_upipe.contracts.varlen import VarlenCase, check_varlen, document_ids
 from titan_upipe.errors import ConfigError
+from titan_upipe.tools import gpu_kernels
 
 Tensor = torch.Tensor
 SCALE = 0.3

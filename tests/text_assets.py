@@ -88,7 +88,7 @@ def hf_model(model_name: str = "upipe_llama3", flavor: str = "debug", seed: int 
     import torch
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from titan_upipe.flavors import model_flavors
+    from titan_upipe.torchtitan_0_2.flavors import model_flavors
 
     args = copy.deepcopy(model_flavors(model_name)[flavor])
     spec = get_train_spec(model_name)

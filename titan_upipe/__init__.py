@@ -16,7 +16,7 @@ tools           ``validate``, ``check``, ``plan``, ``emulate``, ``gpu_suite`` (+
 ==============  ===========================================================================
 
 Importing the package or any module has no side effects. Registration with TorchTitan is
-``titan_upipe.registry.register_plugin()``, called by the entry points:
+``titan_upipe.torchtitan_0_2.registry.register_plugin()``, called by the entry points:
 
 * ``torchrun ... -m titan_upipe.train --job.config_file X.toml`` (ours), or
 * ``torchrun ... -m torchtitan.train`` with ``experimental.custom_import = "titan_upipe.plugin"``

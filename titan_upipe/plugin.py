@@ -8,10 +8,10 @@
     custom_config_module = "titan_upipe.config"
 
 This is the one module with an import-time effect, by TorchTitan's design of custom imports;
-it only calls ``titan_upipe.registry.register_plugin()``, which every other entry point calls
+it only calls ``titan_upipe.torchtitan_0_2.registry.register_plugin()``, which every other entry point calls
 explicitly.
 """
 
-from titan_upipe.registry import register_plugin
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 register_plugin()

@@ -28,6 +28,7 @@ comm_model     all-to-all and ring bytes of one attention call
 
 from titan_upipe.attention.backends import BACKENDS, LocalAttentionBackend, get_backend
 from titan_upipe.attention.documents import DocumentMask, document_mask
+from titan_upipe.attention.input_checks import SUPPORTED_MODES
 from titan_upipe.attention.module import (
     AttentionSpec,
     ContextParallelAttention,
@@ -36,7 +37,6 @@ from titan_upipe.attention.module import (
 )
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.schedule import HeadSchedule, Stage, build_schedule, verify_schedule
-from titan_upipe.attention.validation import SUPPORTED_MODES
 from titan_upipe.parallel.cp_layout import valid_cp_degrees, valid_heads_per_stage
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Measured attention-kernel speed (``docs/data/kernel_speed.csv``) and the ``auto`` order it gives.
 
 The GPU suite's ``attention`` stage times every usable backend's forward and backward at one rank's
-shapes of the recipes (``titan_upipe.gpu_attention``) and writes one row per (device, backend,
+shapes of the recipes (``titan_upipe.tools.gpu_attention``) and writes one row per (device, backend,
 shape, length, kind). ``auto`` then tries the backends in the order measured on the GPU the job
 runs on:
 

@@ -19,17 +19,17 @@ from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import get_backend
 from titan_upipe.attention.documents import DocumentMaskedBackend, check_attention_masks
+from titan_upipe.attention.input_checks import (
+    check_local_inputs,
+    check_mesh_for_mode,
+    check_ring_sequence,
+)
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
 from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
-from titan_upipe.attention.validation import (
-    check_local_inputs,
-    check_mesh_for_mode,
-    check_ring_sequence,
-)
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.cp_layout import CPMode, check_cp_degree, check_mode, resolve_heads_per_stage
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
@@ -74,7 +74,7 @@ class AttentionSpec:
             )
         # attn_type (sdpa, flex, varlen) picks TorchTitan's kernel, which conversion replaces: packed
         # documents reach the converted attention as a document_mask (the trainer builds it from
-        # attn_mask_type = "block_causal", titan_upipe.cp_inputs), never as a flex/varlen mask.
+        # attn_mask_type = "block_causal", titan_upipe.torchtitan_0_2.cp_inputs), never as a flex/varlen mask.
         biased = [name for name in ("wq", "wk", "wv", "wo") if getattr(module, name).bias is not None]
         if biased:
             raise ConfigError(f"context-parallel attention supports projections without bias (Llama3, Qwen3); "

@@ -39,7 +39,7 @@ Memory (bytes, this rank, identical definition in fake and real runs):
     (gradients were freed by ``zero_grad``).
 ``peak_bytes``
     the peak of live tensor bytes *created during the step*, tracked by
-    :class:`~titan_upipe.memory_tracker.StepTracker` (a ``LiveTensorTracker`` that
+    :class:`~titan_upipe.tools.memory_tracker.StepTracker` (a ``LiveTensorTracker`` that
     accounts DTensors by their local shard, only tensors on the compute device, and
     re-measures storages FSDP2 frees/re-allocates with ``untyped_storage().resize_()``). It
     contains activations, gradients, communication buffers, FSDP's unsharded parameters,
@@ -78,7 +78,7 @@ backward and any recomputation; forward timed with module hooks, backward with g
 hooks on the module's output and input); ``other_compute_time_s = step_time_s -
 attention_time_s``. Communication is *modeled*, not measured: the all-to-all bytes of every
 converted attention call follow from its head schedule
-(:func:`~titan_upipe.attention.comm_model.attention_comm_bytes`), and
+(:func:`~titan_upipe.costs.attention_comm.attention_comm_bytes`), and
 ``comm_time_s = a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes;
 the default 150 GB/s per direction is an NVLink-class all-to-all bandwidth per GPU, e.g. 8x
 H100 in one node; the wire bytes of an all-to-all exclude the chunk a rank keeps). In fake
@@ -102,11 +102,11 @@ Modules: ``rank`` (one rank's model, optimizers and loss from a job config), ``s
 tracked training step -> ``StepResult``), ``extrapolate`` (fewer layers -> the full depth),
 ``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli`` (``python -m titan_upipe.emulate``:
 the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
-core, in ``titan_upipe.memory_tracker``; the communication count (``CommBytes``,
-``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.attention.comm_model``.
+core, in ``titan_upipe.tools.memory_tracker``; the communication count (``CommBytes``,
+``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.costs.attention_comm``.
 """
 
-from titan_upipe.attention.comm_model import CommBytes, attention_comm_bytes, recompute_fraction
+from titan_upipe.costs.attention_comm import CommBytes, attention_comm_bytes, recompute_fraction
 from titan_upipe.emulate.extrapolate import (
     FullModelEstimate,
     StateBytes,
@@ -124,7 +124,7 @@ from titan_upipe.emulate.rank import (
     rank_device,
 )
 from titan_upipe.emulate.step import PHASES, StepResult
-from titan_upipe.memory_tracker import StepTracker, storage_bytes
+from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
 
 __all__ = [
     "DEFAULT_A2A_GBPS",

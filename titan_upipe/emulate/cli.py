@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.emulate.rank import rank_device
-from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.parallel.cp_layout import cp_mode
-from titan_upipe.registry import register_plugin
-from titan_upipe.train import parse_config
+from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 
 def _parse(argv: list[str]):

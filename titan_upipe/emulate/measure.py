@@ -2,7 +2,7 @@
 
 Memory comes from the tracked step (``step.py``), the state from the rank's storages after the
 step, communication from the converted attention's head schedule
-(``titan_upipe.attention.comm_model``), and the full-depth estimate from ``extrapolate_layers``.
+(``titan_upipe.costs.attention_comm``), and the full-depth estimate from ``extrapolate_layers``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torchtitan.config import TORCH_DTYPE_MAP
 
 from titan_upipe.attention import ContextParallelAttention
-from titan_upipe.attention.comm_model import attention_comm_bytes, recompute_fraction
+from titan_upipe.costs.attention_comm import attention_comm_bytes, recompute_fraction
+from titan_upipe.costs.tsp_comm import layer_comm_bytes
 from titan_upipe.emulate.extrapolate import (
     FullModelEstimate,
     StateBytes,
@@ -28,13 +29,12 @@ from titan_upipe.emulate.extrapolate import (
 )
 from titan_upipe.emulate.rank import TrainingRank, build_training_rank, rank_device
 from titan_upipe.emulate.step import StepResult, run_steps
-from titan_upipe.memory_tracker import storage_bytes
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.parallel.mesh import ulysses_part
-from titan_upipe.registry import register_plugin
-from titan_upipe.tsp.comm import layer_comm_bytes
+from titan_upipe.tools.memory_tracker import storage_bytes
+from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.tsp.modules import TSPAttention
-from titan_upipe.validation import check_job
 
 GB = 1e9
 DEFAULT_A2A_GBPS = 150.0

@@ -2,7 +2,7 @@
 
 The one rank builder of the tools: the rank emulator (``measure_step``) and the parity check
 (``titan_upipe.check``) both call :func:`build_rank_model`, which follows the trainer's
-order: train spec; flavor args (``titan_upipe.flavors.flavor_args``: the flavor plus
+order: train spec; flavor args (``titan_upipe.torchtitan_0_2.flavors.flavor_args``: the flavor plus
 ``update_from_config``); the model on the ``meta`` device; ``model.converters``
 (CP attention, memory transforms); the spec's ``parallelize_fn`` (activation
 checkpointing, then FSDP); ``to_empty`` on the compute device; ``init_weights`` under a
@@ -24,10 +24,10 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
-from titan_upipe.flavors import flavor_args
-from titan_upipe.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
-from titan_upipe.memory_tracker import storage_bytes
-from titan_upipe.registry import register_plugin
+from titan_upipe.optim.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
+from titan_upipe.tools.memory_tracker import storage_bytes
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 
 def rank_device() -> torch.device:

@@ -19,12 +19,12 @@ from types import SimpleNamespace
 import torch
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
-from titan_upipe.cp_inputs import document_attention_masks, packed_document_tokens
 from titan_upipe.emulate.rank import TrainingRank
 from titan_upipe.errors import ConfigError
-from titan_upipe.grad_norm import clip_grad_norm_
-from titan_upipe.memory_tracker import StepTracker, storage_bytes
 from titan_upipe.parallel import shard_sequence
+from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
+from titan_upipe.torchtitan_0_2.cp_inputs import document_attention_masks, packed_document_tokens
+from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 Tensor = torch.Tensor

@@ -21,7 +21,7 @@ steps on CPU (``titan_upipe.emulate``; ``tests/test_plan.py``, ``docs/planner.md
   tensors; full AC: its input; offloaded AC: nothing on the device), the transients of the
   block being run (attention per mode, MLP plain or tiled, RMSNorm plain or tiled), RoPE
   tables, the loss (stock, chunked torch or Liger fused linear cross-entropy);
-* UPipe's attention terms are ``titan_upipe.attention.memory_model`` (validated per stage
+* UPipe's attention terms are ``titan_upipe.costs.attention_memory`` (validated per stage
   against measurement in ``tests/test_attention_memory.py``: a stage's backward kernel and the
   final dX GEMM), plus the weight-gradient fp32 accumulators and, on GPU, the flash kernel's
   fp32 dQ accumulator.
@@ -58,7 +58,7 @@ Modules (imports point down the list):
 
 from __future__ import annotations
 
-from titan_upipe.attention.memory_model import paper_table2_peak, paper_table6_peak
+from titan_upipe.costs.attention_memory import paper_table2_peak, paper_table6_peak
 from titan_upipe.plan.cli import build_parser, main
 from titan_upipe.plan.dims import ModelDims, model_dims_from_args
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput

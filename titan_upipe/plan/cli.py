@@ -20,8 +20,8 @@ from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, parse_length
-from titan_upipe.registry import register_plugin
-from titan_upipe.train import parse_config
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 
 def _model_job(args) -> PlanInput:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.flavors import ffn_hidden_dim
+from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim
 
 
 @dataclass(frozen=True)

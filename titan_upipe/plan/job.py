@@ -118,7 +118,7 @@ class PlanInput:
     """Kept free when checking a fit; None: RUNTIME_RESERVE_GIB_CUDA on cuda, 0 on cpu."""
     optimizer_state_on_host: bool = False
     """``[optimizer] state_on_host``: AdamW's moments in host memory (pinned on cuda), streamed
-    through two device buffers of the largest shard in the step (``titan_upipe.host_adamw``)."""
+    through two device buffers of the largest shard in the step (``titan_upipe.optim.host_adamw``)."""
     documents: bool = False
     """Packed documents: the model args' ``attn_mask_type == "block_causal"``. Every rank holds the
     global batch's ``DocumentMask`` (``titan_upipe.plan.documents``)."""

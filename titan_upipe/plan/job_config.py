@@ -4,12 +4,12 @@ transforms, activation checkpointing and the dtypes."""
 
 from __future__ import annotations
 
-from titan_upipe.flavors import flavor_args
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.plan.dims import model_dims_from_args
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.step import plan
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
 
 PLAN_AUTO_BACKEND = "flash_attn4"
 """What ``attention_backend = "auto"`` resolves to on the GPUs the recipes target (Hopper with
@@ -22,7 +22,7 @@ def _dtype_bytes(name: str) -> int:
 
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
-    """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.train.parse_config``)."""
+    """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.torchtitan_0_2.launch.parse_config``)."""
     model_args = flavor_args(job_config, update=False)
     dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args)
     converters = list(job_config.model.converters)

@@ -5,8 +5,8 @@ their own): ``llama3_8b`` is ``upipe_llama3/8B``, ``qwen3_32b`` is ``upipe_qwen3
 
 from __future__ import annotations
 
-from titan_upipe.flavors import LLAMA3_SPEC, QWEN3_SPEC, model_flavors
 from titan_upipe.plan.dims import ModelDims, model_dims_from_args
+from titan_upipe.torchtitan_0_2.flavors import LLAMA3_SPEC, QWEN3_SPEC, model_flavors
 
 MODEL_FLAVORS = {"llama3_8b": (LLAMA3_SPEC, "8B"), "qwen3_32b": (QWEN3_SPEC, "32B")}
 """The paper's two models: ``name -> (model.name, model.flavor)``."""

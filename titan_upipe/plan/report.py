@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from titan_upipe.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.plan.documents import documents_summary
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import longest_fit, max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, K, format_bytes, format_length, parse_length
+from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 
 PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
 PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}

@@ -3,7 +3,7 @@
 A builder returns ``Terms`` (``{key: bytes}``, insertion-ordered) keyed by ``Term`` members, or
 by ``Counted`` for the two terms whose label names a block count; ``labelled`` turns them into
 the ``{label: bytes}`` of a ``Moment`` (with the block's prefix, e.g. ``block 0: ``). The labels
-of ``titan_upipe.attention.memory_model`` (which keys its terms by text) enter through
+of ``titan_upipe.costs.attention_memory`` (which keys its terms by text) enter through
 ``from_memory_model``: every one of them has a member below, and an unknown one is a KeyError.
 """
 

@@ -1,4 +1,4 @@
-"""UPipe's attention terms: ``titan_upipe.attention.memory_model`` (validated per stage against
+"""UPipe's attention terms: ``titan_upipe.costs.attention_memory`` (validated per stage against
 measurement in ``tests/test_attention_memory.py``: a stage's backward kernel and the final dX
 GEMM) plus what the code adds around it: the weight-gradient fp32 accumulators
 ``(H D + 2 KV D) d 4``, the stage buffers widened to the K/V heads per rank, the dQ projection
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.attention.memory_model import (
+from titan_upipe.attention.schedule import HeadSchedule, build_schedule
+from titan_upipe.costs.attention_memory import (
     LayerShape,
     upipe_backward_terms,
     upipe_forward_terms,
     upipe_input_grad_terms,
     upipe_kv_projection_columns,
 )
-from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.plan.attention import AttentionTerms, kernel_backward_terms, kernel_forward_terms, ring_terms
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms, from_memory_model

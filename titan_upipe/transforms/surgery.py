@@ -3,7 +3,7 @@
 Each function swaps modules of a TorchTitan Llama3/Qwen3 model in place and keeps the
 parameters it touches (same objects, names and init), so checkpoints and FSDP grouping are
 unchanged; they compose with each other and with the context-parallel attention in any
-order. The TorchTitan converter classes that call them live in ``titan_upipe.converters``.
+order. The TorchTitan converter classes that call them live in ``titan_upipe.torchtitan_0_2.converters``.
 """
 
 from __future__ import annotations

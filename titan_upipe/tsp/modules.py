@@ -30,9 +30,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_upipe.attention.documents import check_attention_masks
+from titan_upipe.attention.input_checks import check_local_inputs
 from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
 from titan_upipe.attention.schedule import build_schedule
-from titan_upipe.attention.validation import check_local_inputs
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.layout import ZigzagLayout
 from titan_upipe.parallel.mesh import is_ring_mesh

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from titan_upipe.attention.backends import choose_backend
-from titan_upipe.gpu_attention import ranking
-from titan_upipe.gpu_wheels import IMAGE_PACKAGES, write_image
+from titan_upipe.tools.gpu_attention import ranking
+from titan_upipe.tools.gpu_wheels import IMAGE_PACKAGES, write_image
 
 
 def environment(argv: list[str]) -> dict[str, str]:

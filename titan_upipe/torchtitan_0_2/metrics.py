@@ -17,7 +17,7 @@ tag                            meaning
 ============================== ==============================================
 loss/global_avg                mean loss over all non-ignored tokens
 loss_metrics/global_max_loss   the worst data-parallel batch's mean loss (TorchTitan's tag)
-validation_metrics/loss        the held-out loss (``validation.enable``; titan_upipe.validator)
+validation_metrics/loss        the held-out loss (``validation.enable``; titan_upipe.torchtitan_0_2.validation_loss)
 throughput/tokens_per_s_per_gpu tokens per second per device (CP ranks share a sequence)
 throughput/step_time_s         wall time per step
 throughput/tflops_per_gpu      achieved TFLOP/s per device, causal FLOPs
@@ -30,7 +30,7 @@ data/documents, data/doc_*     documents read since the last log and their lengt
 data/tokens_in_docs_ge_*_pct   share of tokens in long documents (``local_text`` only)
 ============================== ==============================================
 
-On CPU (``titan_upipe.cpu_runtime``) the device statistics are the process's resident set.
+On CPU (``titan_upipe.torchtitan_0_2.cpu_runtime``) the device statistics are the process's resident set.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
 
 from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 from titan_upipe.transforms.offload import OFFLOAD_STATS
-from titan_upipe.validation import attention_backend_choice
 
 GIB = 1024**3
 
 CUSTOM_SCALARS_LAYOUT = {
     "Loss": {
         "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss"]),
-        # The worst data-parallel batch's mean (titan_upipe.trainer), the mean itself without DP.
+        # The worst data-parallel batch's mean (titan_upipe.torchtitan_0_2.trainer), the mean itself without DP.
         "max batch loss": ("Multiline", ["loss_metrics/global_max_loss"]),
         "validation loss": ("Multiline", ["validation_metrics/loss"]),
         "grad norm": ("Multiline", ["grad_norm"]),

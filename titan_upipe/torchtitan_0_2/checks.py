@@ -17,13 +17,13 @@ from torchtitan.protocols import model_converter
 
 from titan_upipe.attention.backends import BACKENDS, BackendChoice, choose_backend
 from titan_upipe.attention.documents import document_kernel_problem
-from titan_upipe.cp_inputs import MASK_TYPES
 from titan_upipe.data.builders import PLUGIN_DATASETS
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET, SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError, did_you_mean
-from titan_upipe.flavors import ffn_hidden_dim, flavor_args
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode, divisors
+from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES
+from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim, flavor_args
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
 from titan_upipe.tsp.shards import tsp_problems
@@ -330,7 +330,7 @@ def check_offload(job_config) -> None:
 
 def check_optimizer(job_config) -> None:
     """``[optimizer] state_on_host``: a bool, with AdamW stepped after backward (no early step in
-    backward, no TorchFT wrapper), which is what ``titan_upipe.optimizers`` builds."""
+    backward, no TorchFT wrapper), which is what ``titan_upipe.torchtitan_0_2.optimizers`` builds."""
     optimizer = job_config.optimizer
     on_host = getattr(optimizer, "state_on_host", False)
     if not isinstance(on_host, bool):
@@ -463,7 +463,7 @@ PER_PART_COMPILE_CONVERTERS = ("tiled_mlp", "tiled_rmsnorm")
 def check_compile(job_config) -> None:
     """``compile.enable`` with the ``model`` component on a block the plugin converts (a CP
     converter, ``tiled_mlp``, ``tiled_rmsnorm``) compiles the block's norms and feed-forward, not
-    the block (``titan_upipe.compile_parts``): ``activation_checkpoint.mode = "memory_budget"``,
+    the block (``titan_upipe.torchtitan_0_2.compile_parts``): ``activation_checkpoint.mode = "memory_budget"``,
     which budgets a compiled block's activations, would have no block graph to act on."""
     compile_config, converters = job_config.compile, list(job_config.model.converters)
     if not (compile_config.enable and "model" in compile_config.components):

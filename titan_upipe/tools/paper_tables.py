@@ -12,7 +12,7 @@ import csv
 import functools
 from pathlib import Path
 
-PAPER_TABLES_CSV = Path(__file__).resolve().parents[1] / "docs" / "data" / "paper_tables.csv"
+PAPER_TABLES_CSV = Path(__file__).resolve().parents[2] / "docs" / "data" / "paper_tables.csv"
 LENGTH_COLUMNS = ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M")
 OOM = "OOM"
 """A cell whose run went out of memory."""

@@ -1,10 +1,10 @@
 """TorchTitan's ``Trainer`` with the plugin's inputs, validator and counters.
 
 * **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
-  attention's layout (``titan_upipe.cp_inputs.shard_batch``), not TorchTitan's head-tail one;
+  attention's layout (``titan_upipe.torchtitan_0_2.cp_inputs.shard_batch``), not TorchTitan's head-tail one;
   ``attn_mask_type = "block_causal"`` adds the whole batch's documents (split after each EOS)
   as ``attention_masks`` (``cp_inputs.document_attention_masks``), whatever the ``attn_type``.
-* **Validation.** ``validation.enable`` runs ``titan_upipe.validator.LayoutValidator`` (the train
+* **Validation.** ``validation.enable`` runs ``titan_upipe.torchtitan_0_2.validation_loss.LayoutValidator`` (the train
   specs' ``build_validator_fn``): the same sharding, the loss over the global token count.
 * **Counters.** A step's numbers, for ``D`` data-parallel batches of ``N_d`` valid tokens each, CP
   rank ``c`` holding the loss sum ``L_{d,c}`` of its ``1/C`` of batch ``d``:
@@ -37,13 +37,13 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
-from titan_upipe.cp_inputs import (
+from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_attention_masks,
     global_valid_tokens,
     model_sequence_mesh,
     shard_batch,
 )
-from titan_upipe.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 

@@ -27,14 +27,14 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.distributed import utils as dist_utils
 
-from titan_upipe.cp_inputs import (
+from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
+from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_attention_masks,
     global_valid_tokens,
     model_sequence_mesh,
     shard_batch,
 )
-from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
-from titan_upipe.errors import ConfigError
 
 
 class LayoutValidator(BaseValidator):

@@ -26,12 +26,12 @@ from torchtitan.models.llama3.infra.parallelize import (
 )
 from torchtitan.tools.logging import logger
 
-from titan_upipe import cpu_runtime
-from titan_upipe.compile_parts import compile_parts, needs_part_compile
-from titan_upipe.config import ConfigError
+from titan_upipe.torchtitan_0_2 import cpu_runtime
+from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.compile_parts import compile_parts, needs_part_compile
+from titan_upipe.torchtitan_0_2.config import ConfigError
 from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.tsp.modules import tsp_sharded_parameters
-from titan_upipe.validation import check_job
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torchtitan.protocols.model_converter import register_model_converter
 
-from titan_upipe import converters, cpu_runtime, specs
 from titan_upipe.data import synthetic
+from titan_upipe.torchtitan_0_2 import converters, cpu_runtime, specs
 
 CONFIG_MODULE = "titan_upipe.config"
 """``job.custom_config_module``: the plugin's config sections."""

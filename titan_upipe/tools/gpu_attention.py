@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
-from titan_upipe.attention.contract import check_contract, contract_cases
 from titan_upipe.attention.kernel_speed import (
     KERNEL_SPEED_CSV,
     dense_seconds,
@@ -45,6 +44,7 @@ from titan_upipe.attention.kernel_speed import (
     scores,
     write_rows,
 )
+from titan_upipe.contracts.backend import check_contract, contract_cases
 from titan_upipe.errors import ConfigError
 
 K, M = 1024, 1024 * 1024

@@ -2,13 +2,13 @@
 
 ``upipe_llama3`` and ``upipe_qwen3`` keep TorchTitan's model classes and
 flavors (so checkpoints and HF conversion are unchanged) and swap in our
-``parallelize_fn``, data/tokenizer builders, validator (``titan_upipe.validator``: the loss of
-every CP layout over the global token count), optimizers (``titan_upipe.optimizers``: AdamW's
+``parallelize_fn``, data/tokenizer builders, validator (``titan_upipe.torchtitan_0_2.validation_loss``: the loss of
+every CP layout over the global token count), optimizers (``titan_upipe.torchtitan_0_2.optimizers``: AdamW's
 moments on the host with ``[optimizer] state_on_host``) and loss (TorchTitan's summed cross-entropy,
 or the fused head's under the ``fused_ce`` converter) and metrics (causal attention FLOPs,
-grouped TensorBoard tags: ``titan_upipe.metrics``). Each spec owns a copy of the flavor dict, because
+grouped TensorBoard tags: ``titan_upipe.torchtitan_0_2.metrics``). Each spec owns a copy of the flavor dict, because
 ``update_from_config`` mutates the flavor args in place.
-The flavors themselves are ``titan_upipe.flavors``.
+The flavors themselves are ``titan_upipe.torchtitan_0_2.flavors``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import dataclasses
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from titan_upipe.data import builders
-from titan_upipe.flavors import BASE_MODELS, model_flavors
-from titan_upipe.loss import build_loss_fn
-from titan_upipe.metrics import build_metrics_processor
-from titan_upipe.optimizers import build_optimizers
-from titan_upipe.parallelize import parallelize
-from titan_upipe.validator import build_validator
+from titan_upipe.torchtitan_0_2.flavors import BASE_MODELS, model_flavors
+from titan_upipe.torchtitan_0_2.loss import build_loss_fn
+from titan_upipe.torchtitan_0_2.metrics import build_metrics_processor
+from titan_upipe.torchtitan_0_2.optimizers import build_optimizers
+from titan_upipe.torchtitan_0_2.parallelize import parallelize
+from titan_upipe.torchtitan_0_2.validation_loss import build_validator
 
 
 def _derived_spec(name: str) -> TrainSpec:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from titan_upipe.attention.backends import LocalAttentionBackend
-from titan_upipe.attention.contract import ERROR_FACTOR
 from titan_upipe.attention.documents import (
     DocumentMask,
     _loop_backward,
@@ -35,6 +34,7 @@ from titan_upipe.attention.documents import (
     segmented_causal_backward,
     segmented_causal_forward,
 )
+from titan_upipe.contracts.backend import ERROR_FACTOR
 
 Tensor = torch.Tensor
 

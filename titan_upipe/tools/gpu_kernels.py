@@ -26,9 +26,9 @@ from torchtitan.models.llama3.model.model import Transformer
 
 from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
-from titan_upipe.attention.contract import ERROR_FACTOR, check_contract, contract_cases
-from titan_upipe.attention.varlen_contract import check_varlen, varlen_cases
-from titan_upipe.compile_parts import compile_parts
+from titan_upipe.contracts.backend import ERROR_FACTOR, check_contract, contract_cases
+from titan_upipe.contracts.varlen import check_varlen, varlen_cases
+from titan_upipe.torchtitan_0_2.compile_parts import compile_parts
 from titan_upipe.transforms.fused_ce import (
     ChunkedLinearCrossEntropy,
     _liger_sum,
@@ -108,7 +108,7 @@ def contract_checks(device: str) -> list[dict]:
 def varlen_checks(device: str) -> list[dict]:
     """Every installed flash-attn backend's varlen call over packed documents (bf16, a 1-token
     document in each row) against its per-document dense calls and fp32 masked attention
-    (``titan_upipe.attention.varlen_contract``); a backend that cannot run here is skipped with why."""
+    (``titan_upipe.contracts.varlen``); a backend that cannot run here is skipped with why."""
     results = []
     for name in AUTO_ORDER:
         cls = BACKENDS[name]

@@ -1,6 +1,6 @@
 """The train specs' ``build_optimizers_fn``: TorchTitan's optimizers, or with
 ``[optimizer] state_on_host = true`` TorchTitan's ``OptimizersContainer`` of ``HostStateAdamW``
-(AdamW's moments in host memory, ``titan_upipe.host_adamw``) with the section's settings."""
+(AdamW's moments in host memory, ``titan_upipe.optim.host_adamw``) with the section's settings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer import build_optimizers as titan_build_optimizers
 from torchtitan.tools.logging import logger
 
-from titan_upipe.host_adamw import HostStateAdamW
+from titan_upipe.optim.host_adamw import HostStateAdamW
 
 
 def optimizer_kwargs(optimizer_config) -> dict:
@@ -22,7 +22,7 @@ def optimizer_kwargs(optimizer_config) -> dict:
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
     if not getattr(optimizer_config, "state_on_host", False):
         return titan_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
-    # titan_upipe.validation.check_optimizer refused the settings this does not run (name, early
+    # titan_upipe.torchtitan_0_2.checks.check_optimizer refused the settings this does not run (name, early
     # step in backward, TorchFT) before any process group started
     logger.info("AdamW moments in host memory (optimizer.state_on_host): streamed per parameter in the step")
     return OptimizersContainer(model_parts, HostStateAdamW, optimizer_kwargs(optimizer_config))

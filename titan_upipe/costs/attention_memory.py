@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_upipe.attention.schedule import build_schedule
+from titan_upipe.attention.upipe import INPUT_GRAD_TILES
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,6 @@ def upipe_kv_projection_columns(shape: LayerShape, u: int, groups: slice = slice
     schedule = build_schedule(shape.n_heads, shape.n_kv_heads, shape.cp_degree, u)
     firsts = [stage for stage in schedule.stages if stage.sends_kv][groups]
     return sum(2 * len(heads) * shape.head_dim for stage in firsts for heads, _ in stage.kv_destinations())
-
-
-INPUT_GRAD_TILES = 8
-"""Token tiles of UPipe's final dX GEMM (``upipe.ProjectionGrads``): its concatenated operand
-is 1/8 of ``[tokens, (H+2KV)*D]``. Defined here, where the term model needs it without torch."""
 
 
 def upipe_input_grad_terms(shape: LayerShape, u: int, weight_bytes: int | None = None) -> dict[str, int]:

@@ -16,7 +16,7 @@ split: TSP needs the degree to divide the KV heads). ``debug_flex`` (llama3 and 
 TorchTitan's packed-document settings, as its ``debugmodel_flex_attn`` / ``8B_flex`` flavors
 set them: ``attn_type = "flex"``, ``attn_mask_type = "block_causal"`` (documents end at each
 EOS token). Under a CP converter the attention is the plugin's, which reads the documents from
-``attn_mask_type`` whatever the ``attn_type`` (``titan_upipe.cp_inputs.document_attention_masks``).
+``attn_mask_type`` whatever the ``attn_type`` (``titan_upipe.torchtitan_0_2.cp_inputs.document_attention_masks``).
 """
 
 from __future__ import annotations

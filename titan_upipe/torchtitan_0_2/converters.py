@@ -24,15 +24,15 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_upipe.attention import convert_attention
-from titan_upipe.config import Transforms
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
 from titan_upipe.parallel.cp_layout import CPMode
+from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, check_context_parallel, compute_dtype
+from titan_upipe.torchtitan_0_2.config import Transforms
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
 from titan_upipe.tsp.modules import convert_block
-from titan_upipe.validation import attention_backend_choice, check_context_parallel, compute_dtype
 
 
 class _ContextParallelAttentionConverter:

@@ -2,16 +2,16 @@
 to fit one transfer.
 
 Standard library only (``packaging`` from pip's vendored copy where it is not installed), and
-runnable as a file (``python3 titan_upipe/gpu_wheels.py ...``) so that it works before torch and
+runnable as a file (``python3 titan_upipe/tools/gpu_wheels.py ...``) so that it works before torch and
 torchtitan are installed:
 
-    python3 titan_upipe/gpu_wheels.py lock            # where PyPI is reachable: resolve, download, write the lock
-    python3 titan_upipe/gpu_wheels.py download .whl   # the lock's wheels, by URL, sha256-checked
-    python3 titan_upipe/gpu_wheels.py split .whl      # parts + manifest.json
-    python3 titan_upipe/gpu_wheels.py install .whl --target /tmp/site   # reassemble, verify, install
-    python3 titan_upipe/gpu_wheels.py pythonpath --target /tmp/site   # PYTHONPATH it needs (.pth entries too)
-    python3 titan_upipe/gpu_wheels.py check .whl      # what the suite's --dry-run prints (closure, wheels)
-    python3 titan_upipe/gpu_wheels.py list            # name==version of every carried wheel
+    python3 titan_upipe/tools/gpu_wheels.py lock            # where PyPI is reachable: resolve, download, write the lock
+    python3 titan_upipe/tools/gpu_wheels.py download .whl   # the lock's wheels, by URL, sha256-checked
+    python3 titan_upipe/tools/gpu_wheels.py split .whl      # parts + manifest.json
+    python3 titan_upipe/tools/gpu_wheels.py install .whl --target /tmp/site   # reassemble, verify, install
+    python3 titan_upipe/tools/gpu_wheels.py pythonpath --target /tmp/site   # PYTHONPATH it needs (.pth entries too)
+    python3 titan_upipe/tools/gpu_wheels.py check .whl      # what the suite's --dry-run prints (closure, wheels)
+    python3 titan_upipe/tools/gpu_wheels.py list            # name==version of every carried wheel
 
 **The closed set** (``docs/data/gpu_wheels.json``, the lock). ``lock`` runs pip's resolver
 (``pip install --dry-run --report``) for ``ROOTS`` under ``CONSTRAINTS`` in a scratch Python 3.12
@@ -56,7 +56,7 @@ except ImportError:  # a bare GPU image: pip's own copy
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "docs" / "data" / "gpu_wheels.json"
 IMAGE_PACKAGES = REPO / "docs" / "data" / "gpu_image_packages.txt"
 
@@ -118,7 +118,7 @@ def write_image(freeze: str, path: Path, source: str) -> dict[str, str | None]:
     """Rewrite the image list from ``pip list --format=freeze`` output (``source``: where and when)."""
     header = ["# The GPU machines' image: its Python packages as `python3 -m pip list --format=freeze` printed",
               f"# them there ({source}), the carried wheels off the path. The wheel closure",
-              "# (docs/data/gpu_wheels.json, titan_upipe/gpu_wheels.py) is checked against this list; the GPU",
+              "# (docs/data/gpu_wheels.json, titan_upipe/tools/gpu_wheels.py) is checked against this list; the GPU",
               "# suite rewrites it on every GPU run."]
     body = sorted((line.strip() for line in freeze.splitlines()
                    if "==" in line and not line.startswith("#")), key=str.lower)
@@ -287,7 +287,7 @@ def lock_from_report(report: dict, image: dict[str, str | None], date: str) -> d
         not_carried[name] = ("pip chose it for a package the image provides; no carried wheel requires it")
     wheels = [candidates[n] for n in sorted(reached)]
     return {"resolved": {"date": date, "python": report.get("python_version"), "pip": report.get("pip_version"),
-                         "command": "python3 titan_upipe/gpu_wheels.py lock"},
+                         "command": "python3 titan_upipe/tools/gpu_wheels.py lock"},
             "roots": list(ROOTS), "constraints": {n: {"version": v, "why": why} for n, (v, why) in CONSTRAINTS.items()},
             "excluded": dict(EXCLUDED), "wheels": wheels, "not_carried": dict(sorted(not_carried.items()))}
 
@@ -439,7 +439,7 @@ def check_manifest(folder: Path, lock: dict | None = None) -> tuple[list[str], l
     locked = {w["file"]: w for w in lock["wheels"]}
     for file, wheel in locked.items():
         if file not in found:
-            problems.append(f"wheels: {file} of the lock is missing (python3 titan_upipe/gpu_wheels.py download .whl)")
+            problems.append(f"wheels: {file} of the lock is missing (python3 titan_upipe/tools/gpu_wheels.py download .whl)")
         elif wheel.get("sha256") and found[file]["sha256"] != wheel["sha256"]:
             problems.append(f"wheels: {file} differs from the lock's (sha256)")
     extra = sorted(set(found) - set(locked))

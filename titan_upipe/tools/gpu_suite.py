@@ -1,0 +1,591 @@
+"""GPU validation suite: everything the CPU test suite cannot show, on one CUDA GPU.
+
+    python -m titan_upipe.gpu_suite --next [--budget-s 540] [--out DIR]   # the GPU queue (gpu_queue.py)
+    python -m titan_upipe.gpu_suite --stage kernels|attention|memory|speed|tsp|all [--lengths 1M,2M]
+                                    [--select 'llama3_8b upipe'] [--budget-s 540]
+    python -m titan_upipe.gpu_suite --dry-run [--next]   # on any machine: arguments, configs, wheels, plan, queue
+    make gpu-suite STAGE=kernels                         # installs the carried wheels (.whl/) first
+
+On a GPU machine without torchtitan, run it through ``scripts/gpu_suite.sh``, which
+reassembles and installs the wheels ``scripts/gpu_wheels.sh`` downloaded (``.whl/``) before
+importing the plugin.
+
+=========== ========================================================================================
+stage       runs
+=========== ========================================================================================
+kernels     the backend contract (``titan_upipe.contracts.backend``) for every backend usable here,
+            bf16 and fp32; the varlen kernels' contract (``titan_upipe.contracts.varlen``:
+            packed documents in one varlen call against per-document calls and fp32 masked
+            attention, bf16, for each flash-attn backend installed); Liger's fused linear+CE against
+            the chunked torch loss; the offloaded checkpoint's CUDA streams round trip (gradients
+            bit-exact); one bf16 step of a debug model with every converter (UPipe on a 1-rank mesh,
+            tiled MLP/RMSNorm, fused RoPE/CE, offloaded AC) against the unconverted model; one bf16
+            step of the UPipe model with ``compile.enable``'s compiled norms and feed-forwards
+            (inductor) against the same model eager
+attention   forward and backward TFLOP/s of every usable local kernel (after its bf16 contract) at one
+            rank's shapes of Llama3-8B C=8 and Qwen3-32B, 128K and 1M (2M with ``--lengths 2M``), and
+            packed documents for the varlen kernels (``gpu_attention``): ranked, and written to
+            ``docs/data/kernel_speed.csv``, which ``auto`` and these estimates read
+memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
+            C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
+            Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
+            ``max_memory_allocated``/``reserved`` beside the planner and the paper's Table 4
+speed       one emulated step of 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M:
+            the UPipe / Ulysses step-time ratio and tokens/s/GPU with modelled communication beside
+            the paper's Table 3
+tsp         the rank emulator on TSP (issue 19), Llama3-8B over 8 GPUs with its recipes' converters at
+            128K-2M and upward until OOM: ``max_memory_allocated``/``reserved`` at full depth, the step
+            time with modelled communication and the bytes its collectives move (beside the memory
+            and speed stages' Ulysses and UPipe at the same lengths)
+=========== ========================================================================================
+
+A call runs its runs in order while the next one's estimate fits before the call's deadline,
+``--budget-s`` from its start (default 540 s, under a 10-minute call; ``all`` shares it among the
+stages, each in a child process of its own); the rest are listed in the report with the command
+that runs them, and every emulator child is killed at the deadline. Reports are rewritten after
+every run, so a killed call keeps what it measured. Estimates come from the paper's Table 5 FA3 times per layer (the
+attention dominates) times the slowdown of the kernel ``auto`` runs there (``gpu_attention.kernel_slowdown``:
+SDPA's measured 2.0x, scaled by the measured kernel table) plus a start-up cost: with SDPA on an H100
+a 2-block run fits one 10-minute call up to 4M; 5M-8M need a machine without that limit
+(``--budget-s 3600``). ``--next`` runs the queue's pending items (``gpu_queue``), each a child call.
+Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>[-<select>][-<lengths>].*``) under
+``docs/benchmarks/gpu/`` or ``--out`` (device, torch, driver, cuDNN, the backend ``auto`` runs, date,
+the exact command); every GPU call also rewrites ``docs/data/gpu_image_packages.txt`` (and the
+attention stage ``docs/data/kernel_speed.csv``) and copies them into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
+from titan_upipe.attention.kernel_speed import (
+    KERNEL_SPEED_CSV,
+    latest_device,
+    measured_order,
+    read_rows,
+)
+from titan_upipe.plan import plan
+from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.tools.gpu_attention import (
+    DENSE_LENGTHS,
+    case_key,
+    kernel_slowdown,
+    plan_cases,
+    run_attention_stage,
+    usable_backends,
+)
+from titan_upipe.tools.gpu_kernels import run_kernel_checks
+from titan_upipe.tools.gpu_queue import QueueItem, build_queue, load_reports, next_item, pending
+from titan_upipe.tools.gpu_reports import StageReport, environment, refresh_image_packages
+from titan_upipe.tools.gpu_wheels import (
+    canonical,
+    carried_versions,
+    check_closure,
+    check_manifest,
+    read_image,
+    read_lock,
+)
+from titan_upipe.tools.paper_tables import paper_value
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.registry import register_plugin
+
+REPO = Path(__file__).resolve().parents[2]
+REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
+STAGES = ("kernels", "attention", "memory", "speed", "tsp")
+DEFAULT_BUDGET_S = 540
+
+K, M = 1024, 1024 * 1024
+LENGTHS = {"128K": 128 * K, "256K": 256 * K, "512K": 512 * K, "1M": M, "2M": 2 * M, "3M": 3 * M, "4M": 4 * M,
+           "5M": 5 * M, "6M": 6 * M, "7M": 7 * M, "8M": 8 * M}
+MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
+"""128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
+MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
+SPEED_LENGTHS = ("128K", "1M", "2M")
+TSP_LENGTHS = ("128K", "1M", "2M", "3M", "4M")
+"""TSP (issue 19) on Llama3-8B over 8 GPUs: its recipes (128K-2M), then upward until it no longer fits."""
+MEMORY_LAYERS = 2
+"""Blocks the memory runs build (the emulator extrapolates to the flavor's depth; it needs >= 2)."""
+STARTUP_S = 30.0
+"""Estimated process start, model build and first-use kernel compilation per emulator run
+(H100, 2026-11-23: 25 s at 128K, where the attention takes little)."""
+def run_estimate_s(length: str, slowdown: float | None = None) -> float:
+    """Wall seconds of one emulator run of ``MEMORY_LAYERS`` blocks at ``length``."""
+    slowdown = kernel_slowdown() if slowdown is None else slowdown
+    return STARTUP_S + MEMORY_LAYERS * slowdown * attention_seconds_per_layer(length)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measurement of a stage: a name, the command (emulator runs) and its time estimate."""
+
+    stage: str
+    name: str
+    argv: tuple[str, ...] = ()
+    estimate_s: float = 0.0
+    method: str = ""
+    length: str = ""
+    stop_group: str = ""
+    """Runs of one group stop at the first OOM (the "upward until it no longer fits" series)."""
+
+    def result(self, **fields) -> dict:
+        """A result record of this run: what identifies it, then ``fields``."""
+        return {"name": self.name, "method": self.method, "length": self.length, "model": self.name.split()[0],
+                "command": " ".join(self.argv[1:]), "argv": list(self.argv[1:]), **fields}
+
+
+def attention_seconds_per_layer(length: str) -> float:
+    """Llama3-8B C=8 FA3 forward + backward time of one layer from the paper's Table 5 (UPipe),
+    quadratic in the length beyond the table (attention dominates there)."""
+    for known in ("3M", "2M", "1M", "512K", "256K", "128K"):
+        fwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_fwd", known)
+        bwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_bwd", known)
+        if fwd is not None and bwd is not None and LENGTHS[known] <= LENGTHS[length]:
+            return (fwd + bwd) / 32 * (LENGTHS[length] / LENGTHS[known]) ** 2
+    return 0.0
+
+
+def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "titan_upipe.emulate", "--job.config_file", config, "--cp-world", str(cp_world),
+            "--n-layers", str(MEMORY_LAYERS), "--json", *extra)
+
+
+def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Run:
+    # a shipped recipe of this length where there is one (128K-5M; UPipe's 6M and 7M recipes add
+    # the issue-18 levers), else the 5M recipe with a longer seq_len
+    longest = "2M" if method == "tsp" else "5M"
+    recipe = length if (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists() else longest
+    extra = () if length == recipe else ("--training.seq_len", str(LENGTHS[length]))
+    return Run(stage, f"llama3_8b {method} {length}", _emulator(f"configs/llama3_8b/{method}_{recipe.lower()}.toml",
+                                                              8, *extra),
+               run_estimate_s(length), method, length, stop_group)
+
+
+def attention_backends() -> list[str]:
+    """The backends the attention stage times: on a GPU those usable there; elsewhere those the GPU
+    machines will have (torch's own kernels, and packages carried by the wheel lock or in the image)."""
+    if torch.cuda.is_available():
+        return usable_backends("cuda")[0]
+    there = {**read_image(), **carried_versions(read_lock())}
+    return [name for name in AUTO_ORDER
+            if canonical(getattr(BACKENDS[name], "distribution", "torch")) in {"torch", *there}]
+
+
+ATTENTION_LENGTHS = ("128K", "1M")
+"""The attention stage's lengths by default; 2M where asked (``--lengths 2M``: the queue's last item)."""
+
+
+def attention_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
+    return {x: DENSE_LENGTHS[x] for x in (lengths or ATTENTION_LENGTHS) if x in DENSE_LENGTHS}
+
+
+def plan_runs(stage: str, lengths: tuple[str, ...] | None = None, select: str | None = None) -> list[Run]:
+    """The runs of one stage, in order (``lengths`` narrows the emulator and attention stages,
+    ``select`` keeps the runs whose name starts with it)."""
+    runs = _stage_runs(stage, lengths)
+    return [r for r in runs if select is None or r.name.startswith(select)]
+
+
+def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
+    def wanted(candidates: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(x for x in candidates if lengths is None or x in lengths)
+
+    if stage == "attention":
+        rows, device = read_rows(), latest_device()
+        return [Run("attention", case.name, estimate_s=case.estimate_s(rows, device), length=case.length)
+                for case in plan_cases("cuda", attention_backends(), attention_lengths(lengths))]
+    if stage == "kernels":
+        return [Run("kernels", name, estimate_s=est) for name, est in
+                (("contract", 60), ("varlen", 30), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
+                 ("compile", 90))]
+    if stage == "memory":
+        # length-major: a call that covers the short lengths covers both methods there
+        runs = [_llama_run("memory", method, length, stop_group=method)
+                for length in wanted(MEMORY_LLAMA_LENGTHS) for method in ("ulysses", "upipe")]
+        # Qwen3-32B's 64 heads over 16 GPUs: the same attention work per rank and layer as
+        # Llama3-8B's 32 heads over 8, so the same per-layer estimate.
+        runs += [Run("memory", f"qwen3_32b upipe_usp {length}",
+                     _emulator(f"configs/qwen3_32b/upipe_usp_{length.lower()}.toml", 16),
+                     run_estimate_s(length), "upipe_usp", length,
+                     "qwen3_upipe_usp") for length in wanted(MEMORY_QWEN_LENGTHS)]
+        return runs
+    if stage == "speed":
+        return [_llama_run("speed", method, length) for length in wanted(SPEED_LENGTHS)
+                for method in ("ulysses", "upipe")]
+    if stage == "tsp":
+        return [_llama_run("tsp", "tsp", length, stop_group="tsp") for length in wanted(TSP_LENGTHS)]
+    raise ValueError(f"unknown stage {stage!r}: valid stages are {', '.join(STAGES)}, all")
+
+
+def schedule_within(runs: list[Run], budget_s: float) -> tuple[list[Run], list[Run]]:
+    """Runs that fit the budget in order (stopping at the first that does not), and the rest."""
+    spent = 0.0
+    for i, run in enumerate(runs):
+        if spent + run.estimate_s > budget_s:
+            return runs[:i], runs[i:]
+        spent += run.estimate_s
+    return runs, []
+
+
+# --- running emulator stages -----------------------------------------------------------------
+
+
+def child_env() -> dict[str, str]:
+    """The environment of the suite's child processes: this checkout importable from anywhere."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "PYTHONUNBUFFERED": "1"}
+
+
+def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
+    """One emulator process (a fresh CUDA context and fake process group per run), killed after
+    ``timeout_s`` (the call's deadline)."""
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True, env=child_env(),
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return run.result(oom=False, measurement=None, ok=False, wall_s=time.perf_counter() - started,
+                          error=f"killed after {timeout_s:.0f} s: the call's deadline (estimate {run.estimate_s:.0f} s)")
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
+    record = records[-1] if records else None
+    result = run.result(wall_s=time.perf_counter() - started, oom=bool(record and record.get("oom")),
+                        measurement=None if record is None or record.get("oom") else record, ok=record is not None)
+    if record is None:
+        result["error"] = (proc.stderr or proc.stdout)[-2000:]
+    return result
+
+
+def _add_memory_context(result: dict) -> None:
+    """The planner at the flavor's depth and at the depth the run built (``--n-layers``): the
+    latter is the like-for-like figure, since the emulator's extrapolation carries the held
+    reduce-scatter input of the last block's group (the output projection, 2.2x a block's in
+    Llama3-8B) from a short model's peak block into the full depth (docs/planner.md)."""
+    argv = result["argv"]
+    config = argv[argv.index("--job.config_file") + 1]
+    overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
+    cp_world = int(argv[argv.index("--cp-world") + 1])
+    job = plan_input_from_job_config(parse_config(["--job.config_file", str(REPO / config), *overrides]),
+                                     world_size=cp_world, device="cuda")
+    result["planner_gib"] = plan(job).peak_gpu_bytes / 2**30
+    if "--n-layers" in argv:
+        depth = int(argv[argv.index("--n-layers") + 1])
+        short = replace(job, model=replace(job.model, n_layers=depth))
+        result["planner_gib_run_depth"] = plan(short).peak_gpu_bytes / 2**30
+    model = result["model"]
+    method = "upipe" if result["method"] == "upipe_usp" else result["method"]
+    result["paper_gib"] = paper_value("4", model, method, "peak_memory", result["length"])
+
+
+def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = None,
+                       on_result: Callable[[list[dict], list[Run]], None] | None = None) -> list[dict]:
+    """Run ``runs`` in order while the next one's estimate fits before ``deadline``
+    (``time.monotonic()``); ``on_result(results, not_started)`` after each, so a report is on
+    disk even if the call is killed."""
+    results, stopped = [], set()
+    for i, run in enumerate(runs):
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and run.estimate_s > remaining:
+            if on_result:
+                on_result(results, runs[i:])
+            return results
+        if run.stop_group and run.stop_group in stopped:
+            results.append(run.result(skipped=True, ok=True, oom=True,
+                                      detail="a shorter length of this series did not fit"))
+            continue
+        result = _run_emulator(run, remaining)
+        if result["oom"] and run.stop_group:
+            stopped.add(run.stop_group)
+        if stage == "memory":
+            _add_memory_context(result)
+        results.append(result)
+        print(f"[{stage}] {run.name}: {'OOM' if result['oom'] else ('ok' if result['ok'] else 'FAILED')} "
+              f"({result.get('wall_s', 0):.0f} s)", flush=True)
+        if stage == "speed":
+            _add_speed_context(results)
+        if on_result:
+            on_result(results, runs[i + 1:])
+    return results
+
+
+def replan_report(json_path: Path, when: str) -> StageReport:
+    """A committed memory report with its planner columns recomputed by this checkout's planner
+    (``--replan``); the measurements are left as they were. ``when`` is recorded beside the
+    report's environment, so a reader sees which planner the columns come from."""
+    data = json.loads(Path(json_path).read_text())
+    if data.get("stage") != "memory":
+        raise ValueError(f"{json_path}: --replan takes a memory report, this one is stage {data.get('stage')!r}")
+    report = StageReport(data["stage"], dict(data["environment"]), data["results"], data.get("not_run", []),
+                         tuple(data["lengths"]) if data.get("lengths") else None)
+    for result in report.results:
+        if result.get("argv"):
+            _add_memory_context(result)
+    report.environment["planner columns recomputed"] = when
+    return report
+
+
+def _add_speed_context(results: list[dict]) -> None:
+    by_key = {}
+    for r in results:
+        m = r.get("measurement")
+        if m is None:
+            continue
+        r["step_s"] = m["full"]["modeled_step_time_s"]
+        r["tokens_per_s"] = m["seq_len"] * m["batch"] / r["step_s"] / m["cp_degree"]
+        r["paper_tokens_per_s"] = paper_value("3", "llama3_8b", r["method"], "throughput", r["length"])
+        by_key[(r["method"], r["length"])] = r
+    for r in results:
+        other = by_key.get(("ulysses", r["length"]))
+        if r["method"] == "upipe" and other is not None and "step_s" in r:
+            r["ratio"] = r["step_s"] / other["step_s"]
+            up = paper_value("5", "llama3_8b", "upipe", "step_time_total", r["length"])
+            ul = paper_value("5", "llama3_8b", "ulysses", "step_time_total", r["length"])
+            r["paper_ratio"] = up / ul if up and ul else None
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m titan_upipe.gpu_suite", description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", default="all", choices=[*STAGES, "all"])
+    parser.add_argument("--lengths", default=None,
+                        help=f"comma-separated lengths for the memory/speed stages, of {', '.join(LENGTHS)}")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"seconds this call may use, all stages together (default {DEFAULT_BUDGET_S})")
+    parser.add_argument("--out", default=str(REPORT_DIR),
+                        help=f"report folder (default {REPORT_DIR}; on the device tool's machine use $OUT, the "
+                             "folder that comes back)")
+    parser.add_argument("--select", default=None, metavar="PREFIX",
+                        help="emulator stages: only the runs whose name starts with PREFIX (e.g. 'llama3_8b upipe')")
+    parser.add_argument("--next", action="store_true",
+                        help="the GPU queue: run the highest-priority measurements no report shows yet, within "
+                             "--budget-s (titan_upipe.tools.gpu_queue); with --dry-run, print the queue")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check arguments, configs, the wheel closure and manifest and print the plan; run nothing")
+    parser.add_argument("--replan", metavar="REPORT_JSON", type=Path, default=None,
+                        help="recompute the planner columns of a memory report (JSON and Markdown, in place) "
+                             "with this checkout's planner; runs nothing, needs no GPU")
+    args = parser.parse_args(argv)
+    if args.lengths is not None:
+        lengths = tuple(x.strip().upper() for x in args.lengths.split(",") if x.strip())
+        unknown = [x for x in lengths if x not in LENGTHS]
+        if unknown or not lengths:
+            parser.error(f"--lengths {args.lengths!r}: valid lengths are {', '.join(LENGTHS)}")
+        args.lengths = lengths
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
+    if args.next and (args.stage != "all" or args.lengths or args.select):
+        parser.error("--next picks its own stages, lengths and runs: drop --stage, --lengths and --select")
+    if args.select is not None and args.stage in ("kernels", "attention", "all"):
+        parser.error(f"--select narrows the emulator stages (memory, speed, tsp), not --stage {args.stage}")
+    return args
+
+
+def selected_stages(stage: str) -> tuple[str, ...]:
+    return STAGES if stage == "all" else (stage,)
+
+
+def call_estimate_s(stage: str, lengths: tuple[str, ...], select: str | None) -> float:
+    """The time estimate of one ``--stage``/``--lengths``/``--select`` call (its runs together)."""
+    return sum(run.estimate_s for run in plan_runs(stage, lengths or None, select))
+
+
+def fastest_backend() -> str:
+    """What ``auto`` runs on this GPU (on a CPU machine: on the GPU of the newest measurements)."""
+    if torch.cuda.is_available():
+        return choose_backend("auto", torch.bfloat16, head_dim=128).name
+    return measured_order(latest_device(), AUTO_ORDER)[0]
+
+
+def gpu_queue(out: Path) -> tuple[list[QueueItem], list[dict]]:
+    """The queue's items and the reports they are judged by (committed and this call's)."""
+    reports = load_reports([REPORT_DIR, out])
+    return build_queue(call_estimate_s, fastest_backend(), AUTO_ORDER), reports
+
+
+def print_queue(out: Path) -> None:
+    items, reports = gpu_queue(out)
+    print(f"GPU queue ({len(pending(items, reports))} of {len(items)} pending; the reports in {REPORT_DIR} and "
+          f"{out} are its state):")
+    for item in items:
+        state = "done   " if item.done(reports) else "pending"
+        print(f"  {state} ~{item.estimate_s:6.0f} s  {item.name}  (--stage ... {' '.join(item.argv)})")
+
+
+def run_next(args: argparse.Namespace, deadline: float) -> int:
+    """``--next``: queue items in priority order, each in a child call of the suite, while one fits."""
+    attempted: set[str] = set()
+    codes = []
+    while True:
+        remaining = deadline - time.monotonic()
+        items, reports = gpu_queue(Path(args.out))
+        item = next_item(items, reports, remaining, attempted)
+        if item is None:
+            break
+        attempted.add(item.name)
+        print(f"[next] {item.name} (~{item.estimate_s:.0f} s of {remaining:.0f} s left)", flush=True)
+        child = [sys.executable, "-m", "titan_upipe.gpu_suite", *item.argv, "--budget-s", f"{remaining:.0f}",
+                 "--out", args.out]
+        codes.append(subprocess.run(child, cwd=REPO, env=child_env()).returncode)
+    items, reports = gpu_queue(Path(args.out))
+    left = pending(items, reports)
+    print(f"[next] {len(attempted)} item(s) run in this call; {len(left)} pending"
+          + (f", next: {left[0].name} (~{left[0].estimate_s:.0f} s)" if left else ""), flush=True)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def dry_run(args: argparse.Namespace) -> list[str]:
+    """Everything a CPU machine can check; returns the problems (empty: ready)."""
+    problems = []
+    if args.next:
+        print_queue(Path(args.out))
+    for stage in selected_stages(args.stage):
+        runs = plan_runs(stage, args.lengths, args.select)
+        now, later = schedule_within(runs, args.budget_s)
+        print(f"stage {stage}: {len(runs)} runs, {len(now)} within {args.budget_s:.0f} s")
+        for run in runs:
+            where = "now  " if run in now else "later"
+            print(f"  {where} ~{run.estimate_s:6.0f} s  {run.name}" + (f"  ({' '.join(run.argv[1:])})" if run.argv else ""))
+            if run.argv:
+                argv = list(run.argv)
+                config = argv[argv.index("--job.config_file") + 1]
+                if not (REPO / config).exists():
+                    problems.append(f"{run.name}: config {config} does not exist")
+                    continue
+                try:
+                    parse_config(["--job.config_file", str(REPO / config)])
+                except Exception as exc:  # a config that does not parse is a problem to report
+                    problems.append(f"{run.name}: {config} does not parse: {exc}")
+        if stage not in ("kernels", "attention") and not now:
+            problems.append(f"stage {stage}: no run fits --budget-s {args.budget_s:g}")
+    for check in (check_closure, lambda: check_manifest(REPO / ".whl")):
+        wheel_problems, wheel_lines = check()
+        print("\n".join(wheel_lines))
+        problems += wheel_problems
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    register_plugin()
+    if args.replan is not None:
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        report = replan_report(args.replan, when)
+        json_path, md_path = report.write(args.replan.parent)
+        print(f"replanned: {json_path}, {md_path}")
+        return 0
+    if args.dry_run:
+        problems = dry_run(args)
+        for problem in problems:
+            print(f"problem: {problem}", file=sys.stderr)
+        print("dry run: " + ("ready" if not problems else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
+    if not torch.cuda.is_available():
+        print("titan_upipe.gpu_suite: no CUDA device here; run it on a GPU machine, or use --dry-run to check "
+              "the arguments, configs, wheels and plan", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + args.budget_s
+    print(f"image packages: {refresh_image_packages(Path(args.out))}", flush=True)
+    if args.next:
+        return run_next(args, deadline)
+    if args.stage == "all":
+        return run_all_in_children(args, deadline)
+    report = run_stage(args.stage, args, argv, deadline=deadline)
+    print(f"[{args.stage}] {'ok' if report.ok else 'FAILED'}: {report.paths(Path(args.out))}")
+    return 0 if report.ok else 1
+
+
+def run_all_in_children(args: argparse.Namespace, deadline: float) -> int:
+    """``--stage all``: each stage in a process of its own (no CUDA context or cached blocks of one
+    stage skew the next one's memory), all within the one deadline of this call."""
+    codes = []
+    for stage in STAGES:
+        remaining = deadline - time.monotonic()
+        if remaining < 30:
+            print(f"[{stage}] not started: the call's --budget-s is spent; run --stage {stage}", flush=True)
+            codes.append(1)
+            continue
+        child = [sys.executable, "-m", "titan_upipe.gpu_suite", "--stage", stage, "--budget-s", f"{remaining:.0f}",
+                 "--out", args.out, *(["--lengths", ",".join(args.lengths)] if args.lengths else [])]
+        codes.append(subprocess.run(child, cwd=REPO, env=child_env()).returncode)
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str = "cuda",
+              deadline: float | None = None) -> StageReport:
+    """One stage; its report is written to ``args.out`` after every run, not only at the end."""
+    report = StageReport(stage, environment(argv), lengths=args.lengths if stage != "kernels" else None,
+                         select=args.select)
+    out = Path(args.out)
+    if stage == "kernels":
+        def save_checks(results: list[dict]) -> None:
+            report.results = results
+            report.write(out)
+
+        report.results = run_kernel_checks(device, on_result=save_checks)
+        report.write(out)
+        return report
+    if stage == "attention":
+        # An earlier call's report of the same lengths on this GPU is continued, not redone: its
+        # timed cases are kept and not timed again (the queue's progress over several calls).
+        earlier = [r for r in _same_report(report, out) if "fwd_ms" in r or r.get("oom")]
+
+        def save_cases(results: list[dict], not_run: list[dict]) -> None:
+            report.results = earlier + [{**r, "device": report.environment.get("device", device)} for r in results]
+            report.not_run = not_run
+            report.write(out)
+
+        # (on a CPU, make test's run: the stage's tiny CPU lengths, whatever --lengths says)
+        run_attention_stage(device, deadline, report.environment, save_cases,
+                            attention_lengths(args.lengths) if device == "cuda" else None,
+                            measured={case_key(r) for r in earlier})
+        copy = out / KERNEL_SPEED_CSV.name
+        if device == "cuda" and copy.resolve() != KERNEL_SPEED_CSV.resolve():
+            copy.write_text(KERNEL_SPEED_CSV.read_text())  # the folder that comes back from a device machine
+        return report
+    runs = plan_runs(stage, args.lengths, args.select)
+    if deadline is None:
+        runs, later = schedule_within(runs, args.budget_s)
+        report.not_run = _not_run(stage, later)
+
+    def save(results: list[dict], not_started: list[Run]) -> None:
+        report.results, report.not_run = results, _not_run(stage, not_started)
+        report.write(out)
+
+    report.results = run_emulator_stage(stage, runs, deadline, save)
+    report.write(out)
+    return report
+
+
+def _same_report(report: StageReport, out: Path) -> list[dict]:
+    """The results of this call's report as an earlier call on the same device left it (in ``out``,
+    else committed in ``REPORT_DIR``); none where there is none."""
+    for folder in (out, REPORT_DIR):
+        path = report.paths(folder)[0]
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data["environment"].get("device") == report.environment.get("device"):
+                return data["results"]
+    return []
+
+
+def _not_run(stage: str, runs: list[Run]) -> list[dict]:
+    return [{"name": r.name, "estimate_s": r.estimate_s,
+             "command": f"python -m titan_upipe.gpu_suite --stage {stage} --lengths {r.length}"} for r in runs]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    sys.exit(main())

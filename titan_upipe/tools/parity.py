@@ -1,0 +1,274 @@
+"""Parity check: does the configured parallel layout compute what one device computes?
+
+    torchrun --nproc_per_node <CP degree> -m titan_upipe.check --job.config_file X.toml [--seq-len N]
+             [--dtype float32|bfloat16] [--tolerance T] [--section.key value ...]
+
+Builds the configured model twice with the same weights (``build_rank_model``, the rank
+builder the emulator uses too): the *reference*, TorchTitan's unconverted model on the full
+(gathered) batch, and the *parallel* model with the config's converters (CP attention and the
+memory transforms) on this rank's sequence shard in the layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
+are summed and their logits gathered, and rank 0 prints the max relative error
+(max |parallel - reference| / max |reference|) of the loss, the logits and every gradient.
+Exit code 1 when one exceeds the tolerance. With a ``block_causal`` flavor the batch holds packed
+documents (EOS tokens: a 1-token document first, documents across the shard boundaries, a
+different split per row), the parallel model gets the trainer's document mask
+(``cp_inputs.document_attention_masks``), and the reference is TorchTitan's model with its
+``sdpa`` (causal) attention run on each document alone at its global positions, concatenated:
+block-causal attention by definition, none of the plugin's mask code. FSDP and activation checkpointing are not
+applied (they do not change the math; the end-to-end tests cover them); every rank holds
+the whole model, so use a short ``--seq-len`` for big models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import ParallelDims
+
+# The package, not its functions: ``shard_sequence`` is looked up at call time, so a test can
+# substitute a sabotaged layout and see the check fail.
+from titan_upipe import parallel as sequence_layouts
+from titan_upipe.attention import sequence_mesh
+from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
+from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.cp_inputs import (
+    document_attention_masks,
+    document_runs,
+    packed_document_tokens,
+)
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.registry import register_plugin
+from titan_upipe.transforms.model_forward import FinalHiddenStates
+
+DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str
+    error: float
+
+    def line(self, tolerance: float) -> str:
+        verdict = "ok" if self.error <= tolerance else "FAIL"
+        return f"  {self.name:<58} {self.error:10.3e}  {verdict}"
+
+
+def relative_error(actual, reference) -> float:
+    actual, reference = actual.double(), reference.double()
+    scale = reference.abs().max().item()
+    diff = (actual - reference).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _parse(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="torchrun ... -m titan_upipe.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
+    parser.add_argument("--dtype", choices=tuple(DEFAULT_TOLERANCE), default="float32",
+                        help="parameter/activation dtype of both models (default float32: exact comparison)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="max relative error (default 1e-5 in float32, 3e-2 in bfloat16)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_known_args(argv)
+
+
+@dataclass(frozen=True)
+class CheckSetup:
+    """One rank's view of the check: the parsed job (DP degrees forced to 1), its CP mesh, the
+    compute dtype and the tolerance."""
+
+    options: argparse.Namespace
+    job_config: Any
+    world_size: int
+    rank: int
+    cp: int
+    device: torch.device
+    dtype: torch.dtype
+    tolerance: float
+    parallel_dims: ParallelDims
+
+
+def _logits(pred):
+    """Logits from the model output; a ``fused_ce`` model returns hidden states and its head."""
+    if isinstance(pred, FinalHiddenStates):
+        with torch.no_grad():
+            return torch.nn.functional.linear(pred.hidden, pred.head.weight)
+    return pred.detach()
+
+
+def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents: bool):
+    """The reference (no converters; with documents TorchTitan's sdpa kernel, run per document)
+    and the parallel model (the config's converters), same weights; neither parallelized (no AC,
+    no FSDP)."""
+    reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False,
+                                 attn_type="sdpa" if documents else None)
+    parallel = build_rank_model(job_config, parallel_dims, device, seed=seed, parallelize=False)
+    # A full state dict: plain parameters copied, DTensor ones (tsp's sharded weights) sliced.
+    set_model_state_dict(parallel.model, reference.model.state_dict(), options=StateDictOptions(full_state_dict=True))
+    # Parameters in the compute dtype, as FSDP's mixed precision gives them to the model;
+    # buffers (the RoPE tables) keep their own dtype, as in training.
+    with torch.no_grad():
+        for model in (reference.model, parallel.model):
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
+    return reference, parallel
+
+
+def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
+    """Parse the command line and the job, validate it, start the process group (when this
+    call owns it: the second value) and build the CP mesh."""
+    options, titan_args = _parse(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
+    if options.seq_len:
+        overrides += ["--training.seq_len", str(options.seq_len)]
+    job_config = parse_config([*titan_args, *overrides])
+    cp = job_config.parallelism.context_parallel_degree
+    if world_size != cp:
+        raise SystemExit(f"titan_upipe.check runs one rank per CP rank: launch with --nproc_per_node {cp} "
+                         f"(parallelism.context_parallel_degree), not {world_size}")
+    check_job(job_config, world_size)
+    tolerance = options.tolerance if options.tolerance is not None else DEFAULT_TOLERANCE[options.dtype]
+    device = rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns_process_group = world_size > 1 and not dist.is_initialized()
+    if owns_process_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    setup = CheckSetup(options, job_config, world_size, int(os.environ.get("RANK", "0")), cp, device,
+                       getattr(torch, options.dtype), tolerance, build_parallel_dims(job_config, world_size))
+    return setup, owns_process_group
+
+
+def reference_prediction(model, inputs: torch.Tensor, runs: list[list[tuple[int, int]]] | None):
+    """The reference model's logits ``[B, S, V]``: on the whole batch, or each document alone at its
+    global positions (RoPE unchanged), concatenated."""
+    if runs is None:
+        return model(inputs)
+    rows = [torch.cat([model(inputs[row:row + 1, a:c], positions=torch.arange(a, c, device=inputs.device)[None])
+                       for a, c in row_runs], dim=1)
+            for row, row_runs in enumerate(runs)]
+    return torch.cat(rows, dim=0)
+
+
+def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int, masks=None):
+    """Forward and backward of the parallel model on this rank's shard in the trainer's layout;
+    the loss and gradients summed over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
+    if setup.cp > 1:
+        cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
+        local_inputs, positions = sequence_layouts.shard_sequence(inputs, cp_mesh, seq_dim=1)
+        local_labels, _ = sequence_layouts.shard_sequence(labels, cp_mesh, seq_dim=1)
+        pred = model(local_inputs, attention_masks=masks, positions=positions)
+    else:
+        cp_mesh, local_labels = None, labels
+        pred = model(inputs)
+    loss = loss_fn(pred, local_labels) / n_tokens
+    loss.backward()
+    local_logits = _logits(pred)
+    loss_sum = loss.detach().float().clone()
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    if setup.cp > 1:
+        group = setup.parallel_dims.get_mesh("cp").get_group()  # all CP ranks (the layout mesh may be 2-D)
+        dist.all_reduce(loss_sum, group=group)
+        for name, grad in grads.items():
+            if isinstance(grad, DTensor):  # sharded weights (tsp): each shard's gradient is complete at its owner
+                grads[name] = grad.full_tensor()
+            else:  # replicated parameters: each CP rank holds its tokens' share
+                dist.all_reduce(grad, group=group)
+        logits = sequence_layouts.gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
+    else:
+        logits = local_logits
+    return loss_sum, logits, grads
+
+
+def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: int, loss_sum, logits,
+             grads, runs=None) -> bool:
+    """Rank 0: the reference's forward and backward on the full batch (or per document), the
+    comparison printed; whether it failed."""
+    options, job_config, tolerance = setup.options, setup.job_config, setup.tolerance
+    ref_pred = reference_prediction(reference, inputs, runs)
+    ref_loss = loss_fn(ref_pred, labels) / n_tokens
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    results = [Comparison("loss", relative_error(loss_sum, ref_loss.detach().float())),
+               Comparison("logits", relative_error(logits, _logits(ref_pred)))]
+    missing = sorted(set(ref_grads) - set(grads))
+    results += [Comparison(f"grad {name}", relative_error(grads[name], ref_grads[name].float()))
+                for name in ref_grads if name in grads]
+    print(f"titan_upipe.check: {job_config.job.config_file} | converters "
+          f"{', '.join(job_config.model.converters) or '(none)'} | CP {setup.cp} | seq_len "
+          f"{job_config.training.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}"
+          + (f" | block_causal, documents per row {[len(r) for r in runs]}" if runs else ""))
+    print(f"  loss: parallel {loss_sum.item():.7f}  single device {ref_loss.item():.7f}")
+    for result in results[:2]:
+        print(result.line(tolerance))
+    worst = max(results[2:], key=lambda r: r.error)
+    print(f"  gradients: {len(results) - 2} tensors, worst {worst.name} at {worst.error:.3e}")
+    for result in results[2:]:
+        if result.error > tolerance:
+            print(result.line(tolerance))
+    failed = any(r.error > tolerance for r in results) or bool(missing)
+    if missing:
+        print(f"  FAIL: no gradient for {missing}")
+    print("PARITY OK" if not failed else "PARITY FAILED")
+    return failed
+
+
+def run_check(argv: list[str]) -> int:
+    """The check on this rank (module docstring); the exit code, the same on every rank."""
+    register_plugin()
+    setup, owns_process_group = _setup(argv)
+    options, job_config = setup.options, setup.job_config
+    documents = getattr(flavor_args(job_config), "attn_mask_type", "causal") == "block_causal"
+    if documents and setup.cp == 1:
+        raise SystemExit("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
+                         "attention against TorchTitan's per document: set parallelism.context_parallel_degree "
+                         ">= 2 with a CP converter")
+    reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed,
+                                        documents)
+    loss_fn = build_loss_fn(parallel.spec, job_config, setup.parallel_dims)
+    generator = torch.Generator().manual_seed(options.seed)
+    vocab = parallel.args.vocab_size
+    eos_id = vocab - 1  # the document separator; the random tokens stay below it
+    tokens = torch.randint(0, vocab - 1 if documents else vocab, (options.batch, job_config.training.seq_len + 1),
+                           generator=generator).to(setup.device)
+    if documents:
+        tokens = packed_document_tokens(tokens, eos_id)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    n_tokens = labels.numel()
+    masks, runs = None, None
+    if documents:
+        masks = document_attention_masks(inputs, parallel.args, SimpleNamespace(eos_id=eos_id))
+        runs = document_runs(inputs, eos_id)
+    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens, masks)
+    failed = False
+    if setup.rank == 0:
+        failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads, runs)
+    if setup.world_size > 1:
+        verdict = torch.tensor([int(failed)], device=setup.device)
+        dist.broadcast(verdict, src=0)
+        failed = bool(verdict.item())
+    if owns_process_group:
+        # Tear down together: a rank that destroys its gloo groups while a peer is still in a
+        # collective on them can abort at exit (seen under load on the ring meshes).
+        dist.barrier()
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def main() -> None:
+    sys.exit(run_check(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

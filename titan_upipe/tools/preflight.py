@@ -1,0 +1,189 @@
+"""Check a training config before launching it: ``python -m titan_upipe.validate X.toml --world-size N``.
+
+Parses the TOML (plus any ``--section.key value`` overrides) exactly as the trainer
+does, runs every job-level check that ``titan_upipe.train`` runs before starting process
+groups, and prints either the resolved layout (mode, degrees, U, tokens per rank) or every
+problem found, each naming the setting and its valid choices. It also checks the job's files
+(``titan_upipe.torchtitan_0_2.job_assets``: tokenizer, dataset, weights, checkpoints) and, for offloaded
+activations and async checkpoints, that a node's host memory holds them (the planner's
+figure against ``--host-mem`` or this machine's available memory); ``--no-assets`` skips both,
+to check a recipe's layout away from its data. Exit code 0 when the job can run, 1 when it
+cannot, 2 on usage errors. Needs no GPU and starts no processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.plan.job_config import plan_from_job_config
+from titan_upipe.torchtitan_0_2 import checks as validation
+from titan_upipe.torchtitan_0_2 import job_assets
+from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.registry import register_plugin
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    model: str
+    flavor: str
+    world_size: int
+    n_heads: int
+    n_kv_heads: int
+    cp_mode: str | None
+    cp_degree: int
+    ulysses_degree: int
+    ring_degree: int
+    heads_per_stage: int | None
+    seq_len: int
+    converters: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        rows = [
+            f"model            {self.model} / {self.flavor} ({self.n_heads} query heads, {self.n_kv_heads} KV heads)",
+            f"world size       {self.world_size} (data parallel shard x CP {self.cp_degree})",
+            f"converters       {', '.join(self.converters) or '(none)'}",
+        ]
+        if self.cp_mode:
+            rows.append(f"context parallel {self.cp_mode}: ulysses {self.ulysses_degree} x ring {self.ring_degree}")
+            if self.heads_per_stage:
+                stages = self.n_heads // self.heads_per_stage
+                rows.append(f"UPipe            U = {self.heads_per_stage} query heads per stage, {stages} stages")
+        rows.append(f"tokens per rank  {self.seq_len // max(self.cp_degree, 1)} of {self.seq_len}")
+        return rows
+
+
+def _world_size_from_config(parallelism) -> int | None:
+    shard = parallelism.data_parallel_shard_degree
+    return None if shard == -1 else shard * validation.degrees_besides_shard(parallelism)
+
+
+def find_problems(job_config, world_size: int) -> list[str]:
+    """Every problem the job-level checks find (not only the first), each once (a check that reads
+    the layout or the flavor meets their problems again)."""
+    problems: list[str] = []
+    for check in validation.JOB_CHECKS:
+        try:
+            check(job_config, world_size)
+        except ConfigError as err:
+            if str(err) not in problems:
+                problems.append(str(err))
+    return problems
+
+
+def asset_problems(job_config) -> list[str]:
+    """Every problem the asset checks find."""
+    problems: list[str] = []
+    for check in job_assets.ASSET_CHECKS:
+        try:
+            check(job_config)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
+
+
+def available_host_memory() -> int | None:
+    """``MemAvailable`` of this machine (bytes), where ``/proc/meminfo`` exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+ASYNC_STATE_BYTES_PER_PARAM = 12
+"""An async checkpoint stages each rank's shard of the fp32 parameters and both AdamW moments
+in host memory (4 + 4 + 4 bytes per parameter)."""
+
+
+def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
+    """(bytes of host memory one node needs, what they are): the planner's offloaded block inputs
+    plus an async checkpoint's staged state."""
+    result = plan_from_job_config(job_config, world_size)
+    ranks_per_node = min(result.job.ranks, result.job.gpus_per_node)
+    parts = {"offloaded activations": result.host_bytes}
+    if job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled":
+        state = ASYNC_STATE_BYTES_PER_PARAM * result.job.model.total_params // result.job.fsdp
+        parts["async checkpoint staging"] = state * ranks_per_node
+    what = " + ".join(f"{name} {size / GIB:.1f} GiB" for name, size in parts.items() if size)
+    return sum(parts.values()), what
+
+
+def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None, source: str) -> str | None:
+    if host_mem_bytes is None or not getattr(job_config.activation_checkpoint, "cpu_offload", False) and (
+            not job_config.checkpoint.enable or job_config.checkpoint.async_mode == "disabled"):
+        return None
+    try:
+        needed, what = host_memory_needed(job_config, world_size)
+    except ValueError:  # a setting the planner does not model: nothing to compare
+        return None
+    if needed <= host_mem_bytes:
+        return None
+    return (f"a node needs {needed / GIB:.1f} GiB of host memory ({what}) but {source} has {host_mem_bytes / GIB:.1f} "
+            "GiB: set activation_checkpoint.pin_memory = false (pageable buffers are not rounded up), use more "
+            "nodes (fewer tokens per rank), set checkpoint.async_mode = \"disabled\", or pass --host-mem GIB "
+            "when validating away from the compute nodes")
+
+
+def summarize(job_config, world_size: int) -> LayoutSummary:
+    """The resolved layout of a job the checks accepted (``validation.cp_layout``)."""
+    n_heads, n_kv_heads = validation.model_heads(job_config)
+    layout = validation.cp_layout(job_config)
+    mode = None if layout.mode is None else layout.mode.value
+    return LayoutSummary(
+        model=job_config.model.name, flavor=job_config.model.flavor, world_size=world_size,
+        n_heads=n_heads, n_kv_heads=n_kv_heads, cp_mode=mode, cp_degree=layout.cp_degree,
+        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree,
+        heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
+        converters=tuple(job_config.model.converters),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the TOML file to check")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks the job will run on (default: the product of the configured degrees)")
+    parser.add_argument("--host-mem", type=float, default=None,
+                        help="host memory of a compute node in GiB (default: this machine's available memory)")
+    parser.add_argument("--no-assets", action="store_true",
+                        help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
+    args, overrides = parser.parse_known_args(argv)
+    register_plugin()
+    try:
+        job_config = parse_config(["--job.config_file", args.config, *overrides])
+    except (ConfigError, ValueError, TypeError) as err:
+        print(f"{args.config}: cannot be parsed:\n  - {err}")
+        return 1
+    world_size = args.world_size or _world_size_from_config(job_config.parallelism)
+    if world_size is None:
+        parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
+    problems = find_problems(job_config, world_size)
+    warnings = validation.config_warnings(job_config)
+    if not args.no_assets:
+        problems += asset_problems(job_config)
+        host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None
+                            else (available_host_memory(), "this machine"))
+        if not problems and (problem := host_memory_problem(job_config, world_size, host_mem, source)):
+            problems.append(problem)
+        warnings += job_assets.asset_warnings(job_config)
+    for warning in warnings:
+        print(f"{args.config}: warning: {warning}")
+    if problems:
+        print(f"{args.config}: {len(problems)} problem(s) for {world_size} ranks:")
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1
+    print(f"{args.config}: OK for {world_size} ranks")
+    for line in summarize(job_config, world_size).lines():
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

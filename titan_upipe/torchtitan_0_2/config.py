@@ -1,0 +1,194 @@
+"""The plugin's config sections, merged into TorchTitan's ``JobConfig``.
+
+TorchTitan 0.2.2 merges the ``JobConfig`` dataclass of the module named by
+``job.custom_config_module`` into its own, so these sections parse from TOML and
+from the CLI (``--upipe.heads_per_stage 8``) like the stock ones. TOML values
+are not type-checked by TorchTitan (``Literal`` fields included), so every
+section validates itself in ``__post_init__`` and names the offending key and
+the valid choices: a bad value fails before any process group starts.
+"""
+
+# No `from __future__ import annotations`: TorchTitan merges these fields by their
+# runtime types, which must be classes, not strings.
+
+from dataclasses import dataclass, field
+
+from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
+from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
+
+__all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
+           "OptimizerHostState", "TSP", "Transforms", "UPipe"]
+
+
+def _require(ok: bool, key: str, value: object, valid: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid {key} = {value!r}: valid values are {valid}")
+
+
+def _require_choice(value: object, key: str, choices: tuple[str, ...]) -> None:
+    """``value`` is one of ``choices``; otherwise a ConfigError listing them, with the closest
+    one for a typo (``sdpaa`` -> ``sdpa``)."""
+    if value not in choices:
+        raise ConfigError(with_suggestion(f"invalid {key} = {value!r}: valid values are {', '.join(choices)}",
+                                          value, choices))
+
+
+@dataclass
+class UPipe:
+    """Context-parallel attention settings read by the ``ulysses``/``upipe`` converters."""
+
+    heads_per_stage: int = 0
+    """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that
+    divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice)."""
+
+    attention_backend: str = "auto"
+    """Local attention kernel: auto (at conversion, the fastest installed one that runs the
+    training dtype and head_dim, in the order measured on that GPU (docs/data/kernel_speed.csv), else
+    flash_attn4 > flash_attn3 > cudnn > flash_attn > sdpa; logged and written to TensorBoard), sdpa (torch's fused kernels, CPU and GPU), math (explicit fp32
+    reference, any device), cudnn (cuDNN attention through torch's own ops: GPU sm80+, cuDNN >=
+    9.15.1, fp16/bf16, head_dim a multiple of 8 up to 128), flash_attn, flash_attn3, flash_attn4
+    (GPU, fp16/bf16, when installed)."""
+
+    ulysses_degree: int = 0
+    """Ulysses (all-to-all) degree inside the CP mesh; the rest is ring. 0 means all of CP is Ulysses."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.heads_per_stage, int) and self.heads_per_stage >= 0,
+            "upipe.heads_per_stage",
+            self.heads_per_stage,
+            "0 (U = Ulysses degree) or a positive multiple of the Ulysses degree dividing n_heads",
+        )
+        _require_choice(self.attention_backend, "upipe.attention_backend", ATTENTION_BACKENDS)
+        _require(
+            isinstance(self.ulysses_degree, int) and self.ulysses_degree >= 0,
+            "upipe.ulysses_degree",
+            self.ulysses_degree,
+            "0 (all of CP) or a positive divisor of parallelism.context_parallel_degree",
+        )
+
+
+@dataclass
+class TSP:
+    """Settings of the ``tsp`` converter (folded tensor and sequence parallelism, ``docs/tsp.md``);
+    its degree is ``parallelism.context_parallel_degree``, its kernel ``[upipe] attention_backend``."""
+
+    kv_heads_per_bucket: int = 0
+    """KV heads per K/V all-gather (the paper's head buckets): each all-gather moves this many KV
+    heads of the whole sequence, so the attention holds ``2 x bucket x head_dim`` values per token
+    of K/V at once. 0: all of a rank's ``n_kv_heads / D`` KV heads in one all-gather per owner.
+    Must divide ``n_kv_heads / D``."""
+
+    overlap: bool = True
+    """Start each transfer before the compute that does not need it: the next owner's weight
+    broadcast during this owner's attention, the next bucket's K/V all-gather during this bucket's,
+    the MLP ring's send/receive during the step's GEMMs (async collectives; the same numbers)."""
+
+    mlp_recompute: bool = True
+    """The ring MLP saves only its weight shards and recomputes each step's two ``[T, F/D]``
+    projections in backward (two more GEMMs per step): ``2 x T x F`` values per block less from its
+    forward to its backward (at 1M tokens on 8 ranks, Llama3-8B: 7 GiB in bf16)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.overlap, bool), "tsp.overlap", self.overlap, "true or false")
+        _require(isinstance(self.mlp_recompute, bool), "tsp.mlp_recompute", self.mlp_recompute, "true or false")
+        _require(isinstance(self.kv_heads_per_bucket, int) and not isinstance(self.kv_heads_per_bucket, bool)
+                 and self.kv_heads_per_bucket >= 0, "tsp.kv_heads_per_bucket", self.kv_heads_per_bucket,
+                 "0 (all of a rank's KV heads) or a positive divisor of n_kv_heads / context_parallel_degree")
+
+
+def _require_tile(value: object, key: str) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key, value,
+             "0 (automatic size) or a positive number of tokens")
+
+
+@dataclass
+class Transforms:
+    """Settings of the memory transforms (``tiled_mlp``, ``tiled_rmsnorm``, ``fused_ce``
+    converters). Every size is in tokens of this rank's batch; 0 picks the default."""
+
+    mlp_tile_tokens: int = 0
+    """Tokens per tiled-MLP tile; 0 means d_model tokens (the paper's square tile)."""
+
+    rmsnorm_tile_tokens: int = 0
+    """Tokens per tiled-RMSNorm tile; 0 means d_model tokens."""
+
+    ce_chunk_tokens: int = 0
+    """Tokens per fused cross-entropy chunk (torch path); 0 makes a chunk's logits about as
+    large as the hidden states (ceil(tokens * d_model / vocab) tokens)."""
+
+    ce_backend: str = "auto"
+    """auto (Liger's fused linear cross-entropy on CUDA when installed, else the chunked torch
+    path), torch, or liger (CUDA with liger-kernel installed)."""
+
+    def __post_init__(self) -> None:
+        _require_tile(self.mlp_tile_tokens, "transforms.mlp_tile_tokens")
+        _require_tile(self.rmsnorm_tile_tokens, "transforms.rmsnorm_tile_tokens")
+        _require_tile(self.ce_chunk_tokens, "transforms.ce_chunk_tokens")
+        _require_choice(self.ce_backend, "transforms.ce_backend", KERNEL_BACKENDS)
+
+
+@dataclass
+class ActivationCheckpointOffload:
+    """Fields merged into TorchTitan's own ``[activation_checkpoint]`` section (TorchTitan merges
+    same-named sections field by field; its ``mode`` etc. stay as they are). Checked by
+    ``titan_upipe.torchtitan_0_2.checks.check_offload`` because the merged section keeps TorchTitan's class."""
+
+    cpu_offload: bool = False
+    """With ``mode = "full"``: keep each block's saved input in host memory between forward and
+    backward; backward prefetches the next block's input while the current one recomputes."""
+
+    pin_memory: bool = True
+    """Offload into page-locked host memory (faster copies; set false when host RAM is short)."""
+
+    resident_blocks: int = 0
+    """With ``cpu_offload``: the last N blocks keep their input on the device (backward needs them
+    first): N block inputs less host memory, N more on the device from their forward to their
+    backward, never at the backward peak (blocks 0-1) (``docs/planner.md``, issue 18)."""
+
+    prefetch_after_attention: bool = False
+    """With ``cpu_offload``: start the copy of the input the next block's backward needs only after
+    this block's attention backward, not before its recompute: one hidden state less at the
+    backward peak, a copy the next block may wait for (``docs/planner.md``, issue 18)."""
+
+
+@dataclass
+class OptimizerHostState:
+    """Fields merged into TorchTitan's own ``[optimizer]`` section (checked by
+    ``titan_upipe.torchtitan_0_2.checks.check_optimizer``: the merged section keeps TorchTitan's class)."""
+
+    state_on_host: bool = False
+    """AdamW's ``exp_avg``/``exp_avg_sq`` in host memory (pinned on CUDA), streamed through two
+    device buffers of the largest parameter shard during the step (``titan_upipe.optim.host_adamw``):
+    ``8 P / W`` bytes per rank move from the device to the host, the update is bitwise AdamW's."""
+
+
+@dataclass
+class LocalData:
+    """The files of ``training.dataset = "local_text"`` (``titan_upipe.data.local_text``)."""
+
+    paths: list[str] = field(default_factory=list)
+    """Glob patterns of .jsonl / .parquet / .txt files (``**`` recurses; relative to the launch
+    directory). Every match is read, in sorted order; each pattern must match a file."""
+
+    text_key: str = "text"
+    """The JSON key / Parquet column holding a document's text (.txt files are one document each)."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.paths, list) and all(isinstance(p, str) and p for p in self.paths),
+                 "local_data.paths", self.paths, "a list of glob patterns, e.g. [\"/data/books/*.jsonl\"]")
+        _require(isinstance(self.text_key, str) and bool(self.text_key), "local_data.text_key", self.text_key,
+                 "a non-empty key name")
+
+
+@dataclass
+class JobConfig:
+    """Sections this plugin adds to TorchTitan's ``JobConfig``."""
+
+    upipe: UPipe = field(default_factory=UPipe)
+    transforms: Transforms = field(default_factory=Transforms)
+    tsp: TSP = field(default_factory=TSP)
+    activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)
+    local_data: LocalData = field(default_factory=LocalData)
+    optimizer: OptimizerHostState = field(default_factory=OptimizerHostState)

@@ -1,0 +1,148 @@
+"""Training entry point: ``torchrun ... -m titan_upipe.train --job.config_file X.toml [--sec.key v ...]``.
+
+It differs from ``python -m torchtitan.train`` in three ways: the plugin's config
+sections (``[upipe]`` …) are always part of the schema, even when neither the
+TOML nor the CLI names ``job.custom_config_module``; the job is validated before
+any process group starts (``validation.check_job``, and its files: ``job_assets.check_assets``); and context-parallel inputs
+are sharded in the plugin's layout (``trainer.ContextParallelTrainer``, otherwise
+TorchTitan's ``Trainer`` unchanged).
+
+A job that cannot run (a :class:`~titan_upipe.errors.ConfigError`: a missing file, an unknown key
+or flag, a bad value, degrees that do not fit the launch) stops every rank with exit status 2
+before any process group starts; rank 0 prints the one-line message with its fix, and no
+traceback. After a successful run rank 0 logs the TensorBoard command for the run's logs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torchtitan.tools.logging import init_logger, logger
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.config_parse import (
+    CONFIG_FILE_FLAGS,
+    CONFIG_MODULE_FLAGS,
+    flag_value,
+    load_toml,
+    parse_job_config,
+)
+from titan_upipe.torchtitan_0_2.job_assets import check_assets
+from titan_upipe.torchtitan_0_2.registry import CONFIG_MODULE, register_plugin
+from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
+
+
+def with_plugin_config(args: list[str]) -> list[str]:
+    """``args`` plus ``--job.custom_config_module titan_upipe.config`` unless already chosen.
+
+    A TOML that names another module keeps it (that module must then extend ours).
+    """
+    if any(a.split("=", 1)[0] in CONFIG_MODULE_FLAGS for a in args):
+        return args
+    toml_path = flag_value(args, CONFIG_FILE_FLAGS)
+    job = load_toml(toml_path).get("job") if toml_path else None
+    if isinstance(job, dict) and job.get("custom_config_module"):
+        return args
+    return [*args, f"--job.custom_config_module={CONFIG_MODULE}"]
+
+
+def parse_config(args: list[str]):
+    """The JobConfig of ``args`` with the plugin's sections; every mistake raises ConfigError."""
+    return parse_job_config(with_plugin_config(args))
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def discard_recorded_traceback() -> None:
+    """Remove the traceback torchrun's ``@record`` wrote for this rank, if any.
+
+    TorchTitan's ``Trainer.__init__`` and ``train`` are wrapped in ``@record``: an exception
+    passing through them is written, traceback and all, to ``TORCHELASTIC_ERROR_FILE``, and
+    torchrun's failure summary prints that file. For a ConfigError that this module prints as
+    one line the recorded traceback is the wall of text the line replaces, so it goes."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.path.isfile(path):
+        os.remove(path)
+
+
+def exit_on_config_error(err: ConfigError, every_rank: bool) -> SystemExit:
+    """The exit of a rank whose job cannot run: status 2, ``err`` printed without a traceback.
+
+    Before any process group (``every_rank`` false) every rank checks the same config and fails
+    alike, so rank 0 (``RANK`` unset or 0) alone prints it. After one started a rank may fail
+    alone, so each failing rank prints its own line."""
+    if every_rank:
+        discard_recorded_traceback()
+        print(f"titan_upipe.train: error on rank {os.environ.get('RANK', '0')}: {err}", file=sys.stderr)
+    elif _is_rank_zero():
+        print(f"titan_upipe.train: error: {err}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def checked_config(args: list[str]):
+    """The parsed job after every check that needs no process group (layout, training counts, files)."""
+    config = parse_config(args)
+    check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_assets(config)
+    return config
+
+
+def tensorboard_command(config) -> str | None:
+    """The command that shows this run's TensorBoard logs (``<dump_folder>/<save_tb_folder>``)."""
+    if not config.metrics.enable_tensorboard:
+        return None
+    installed = Path(sys.executable).with_name("tensorboard")
+    binary = str(installed) if installed.exists() else "tensorboard"
+    return f"{binary} --logdir {os.path.join(config.job.dump_folder, config.metrics.save_tb_folder)}"
+
+
+def run(config) -> None:
+    """Train ``config`` (or write its seed checkpoint) in a process group torn down at the end;
+    rank 0 logs the TensorBoard command of the run's logs."""
+    trainer = None
+    completed = False
+    try:
+        trainer = ContextParallelTrainer(config)
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ValueError("checkpoint.create_seed_checkpoint needs a single process")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+        completed = True
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            if completed:
+                # Tear down together (TorchTitan's rank 0 sleeps after the last step while the
+                # others go on): a gloo rank that destroyed its groups early aborted at exit
+                # under load. Only after success: a failed rank's peers may never arrive.
+                torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+    if _is_rank_zero() and not config.checkpoint.create_seed_checkpoint and (command := tensorboard_command(config)):
+        logger.info(f"TensorBoard: {command}")
+
+
+def main(args: list[str] | None = None) -> None:
+    register_plugin()
+    init_logger()
+    try:
+        config = checked_config(sys.argv[1:] if args is None else args)
+    except ConfigError as err:
+        raise exit_on_config_error(err, every_rank=False) from None
+    try:
+        run(config)
+    except ConfigError as err:
+        raise exit_on_config_error(err, every_rank=True) from None
+
+
+if __name__ == "__main__":
+    main()
