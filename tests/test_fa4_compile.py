@@ -20,7 +20,8 @@ at its first call and the CuTe DSL ``CUTE_DSL_ARCH`` at import, so set in the py
 would steer the real kernels of the GPU tests of the same run. The module skips where flash-attn-4
 is not installed or ``flash_attn.cute.interface`` does not import (``make test`` without the
 ``[gpu]`` extra); ``make fa4-compile`` installs the extra and sets ``TITAN_UPIPE_REQUIRE_FA4=1``,
-which turns those skips into failures. About 30 s on 2 CPU cores, 25 s of it compiling 31 kernels.
+which turns those skips into failures. About 30 s for this test on 2 CPU cores, 25 s of it compiling 31
+kernels; ``make fa4-compile`` (pytest start-up included) about 40 s.
 
 Fake CUDA tensors on a CPU build of torch cannot be copied through Tensor methods (``.contiguous()``
 enters a CUDA device guard: "PyTorch is not linked with support for cuda devices"), so the inputs

@@ -185,9 +185,14 @@ def test_the_queue_starts_with_the_kernels_and_is_judged_by_the_reports():
     contracts = [{"check": "contract", "case": f"{b} bf16 causal", "ok": True} for b in ("sdpa", "cudnn")]
     contracts.append({"check": "contract", "case": "flash_attn4", "ok": True, "skipped": True})
     assert items[0].done([_report("kernels", contracts)])
-    attention = [{"backend": b, "skipped": True, "ok": True} for b in AUTO_ORDER if b != "sdpa"]
-    attention += [{"backend": "sdpa", "length": "128K", "fwd_ms": 1.0}]
-    assert items[1].done([_report("attention", attention)]) and not items[2].done([_report("attention", attention)])
+    attention = [{"backend": b, "skipped": True, "ok": True} for b in AUTO_ORDER if b not in ("sdpa", "cudnn")]
+    attention.append({"backend": "cudnn", "ok": False, "contract": "failed bf16 causal"})  # reported: done
+    llama = {"backend": "sdpa", "shape": "llama3_8b", "length": "128K", "kind": "dense", "fwd_ms": 1.0}
+    # a call cut short after one shape is not done: the other shape of that length is still owed
+    assert not items[1].done([_report("attention", [*attention, llama])])
+    qwen = {**llama, "shape": "qwen3_32b", "fwd_ms": None, "ok": False, "error": "RuntimeError: x"}  # failed: reported
+    assert items[1].done([_report("attention", [*attention, llama, qwen])])
+    assert not items[2].done([_report("attention", [*attention, llama, qwen])])
 
 
 def test_speed_is_done_only_with_the_fastest_backend():
@@ -246,3 +251,48 @@ def test_dry_run_prints_the_queue(capsys, tmp_path):
     assert gpu_suite.main(["--dry-run", "--next", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "GPU queue (" in out and "pending" in out and "attention 128K" in out and "stage attention:" in out
+
+
+def test_a_case_that_raises_is_reported_and_the_stage_goes_on(monkeypatch):
+    calls = []
+
+    def flaky(case, device, repeats=None):
+        calls.append(case.name)
+        if len(calls) == 1:
+            raise RuntimeError("cuDNN: not supported at this shape")
+        return {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_tflops": 1.0, "bwd_tflops": 1.0, "documents": 1}
+
+    monkeypatch.setattr(gpu_attention, "time_case", flaky)
+    results = [r for r in gpu_attention.run_attention_stage("cpu") if "shape" in r]
+    assert len(results) == 2 and not results[0]["ok"] and "not supported" in results[0]["error"]
+    assert results[1]["ok"] and results[1]["fwd_ms"] == 1.0
+
+
+def test_one_backends_crashing_contract_does_not_hide_the_others(monkeypatch):
+    from titan_upipe.attention.backends import SdpaCpuKernels
+    from titan_upipe.tools import gpu_kernels
+
+    def crash(self, *args, **kwargs):
+        raise RuntimeError("kernel crashed")
+
+    monkeypatch.setattr(SdpaCpuKernels, "forward", crash)
+    results = gpu_kernels.contract_checks("cpu")
+    assert {r["case"].split()[0] for r in results} == set(AUTO_ORDER)  # every backend has its verdict
+    sdpa = [r for r in results if r["case"] == "sdpa"]
+    assert len(sdpa) == 1 and not sdpa[0]["ok"] and "kernel crashed" in sdpa[0]["detail"]
+    assert gpu_queue.kernels_done([_report("kernels", results)])  # the queue moves on
+
+
+def test_attention_lengths_must_be_the_stages(capsys):
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(["--stage", "attention", "--lengths", "3M"])
+    assert "--lengths for the attention stage: 128K, 1M, 2M" in capsys.readouterr().err
+    assert gpu_suite.attention_lengths(("3M",)) == {} and gpu_attention.plan_cases("cuda", ["sdpa"], {}) == []
+
+
+def test_a_backend_passing_again_loses_its_old_failure_even_untimed():
+    old = [{**_row("sdpa", 250), "backend": "cudnn", "contract": "failed bf16", "fwd_ms": "", "fwd_tflops": ""},
+           _row("sdpa", 250)]
+    merged = kernel_speed.merge_rows(old, [], H100, passed={"cudnn"})
+    assert [r["backend"] for r in merged] == ["sdpa"]
+    assert kernel_speed.measured_order(H100, AUTO_ORDER, merged)[:2] == ("sdpa", "flash_attn4")

@@ -48,6 +48,15 @@ def test_the_committed_lock_is_closed_over_the_image(lock, image):
     assert lines[-1].startswith("flash_attn.cute.interface: would import")
 
 
+def test_every_locked_wheel_installs_on_the_gpu_machines(lock):
+    """CPython 3.12, Linux x86-64: a lock resolved on another machine would carry wheels that do not."""
+    assert all(gpu_wheels.fits_the_gpu_machines(w["file"]) for w in lock["wheels"]), [
+        w["file"] for w in lock["wheels"] if not gpu_wheels.fits_the_gpu_machines(w["file"])]
+    for other in ("numpy-2.0-cp311-cp311-manylinux_2_28_x86_64.whl", "torch-2.11-cp312-cp312-manylinux_2_28_aarch64.whl",
+                  "pkg-1.0-cp312-cp312-macosx_11_0_arm64.whl"):
+        assert not gpu_wheels.fits_the_gpu_machines(other)
+
+
 def test_a_lock_without_libs_core_is_open_and_fa4_would_not_import(lock, image):
     """The 2026-11-23 set: no ``nvidia-cutlass-dsl-libs-core`` (which alone holds ``cutlass/cute``)."""
     broken = _without(lock, "nvidia-cutlass-dsl-libs-core")

@@ -54,7 +54,7 @@ auto        at conversion, the fastest backend usable      --                  -
             here for the compute dtype and head_dim:
             the order measured on this GPU
             (``kernel_speed.py``), else flash_attn4 >
-            flash_attn3 > cudnn > flash_attn > sdpa
+            flash_attn3 > flash_attn > sdpa > cudnn
 =========== ============================================== =================== ==========
 
 The flash-attn packages are imported lazily; a missing one (or, for ``cudnn``, a torch without
@@ -280,13 +280,14 @@ BACKENDS: dict[str, type[LocalAttentionBackend]] = {
 AUTO = "auto"
 BACKEND_SETTINGS = (AUTO, *BACKENDS)
 """Values of ``[upipe] attention_backend``: ``auto`` and every backend name."""
-AUTO_ORDER = ("flash_attn4", "flash_attn3", "cudnn", "flash_attn", "sdpa")
+AUTO_ORDER = ("flash_attn4", "flash_attn3", "flash_attn", "sdpa", "cudnn")
 """``auto``'s candidates, and their order where nothing is measured on the job's GPU (``auto_order``
-reads the measured order from ``docs/data/kernel_speed.csv``). This default, from public H100
-figures: FA4 and FA3 lead on Hopper,
-cuDNN attention runs near FA3 (about 630 vs 630 TFLOP/s forward) and 1.7-2.3x torch's flash SDPA
-kernel (pytorch#142132, transformers#48163), and the FA2-class kernels (``flash_attn``, torch's
-flash kernel behind ``sdpa``) are slower; ``sdpa`` last, as it runs everywhere."""
+reads the measured order from ``docs/data/kernel_speed.csv``). This default: FA4 and FA3 lead on
+Hopper, then the FA2-class kernels (``flash_attn``, torch's flash kernel behind ``sdpa``, which
+passed the contract on an H100). ``cudnn`` comes last until a GPU measures it: its backward has
+run the contract only over an emulation of its ops, and public H100 figures (near FA3, about 630
+TFLOP/s forward, 1.7-2.3x torch's flash SDPA: pytorch#142132, transformers#48163) promote it only
+through a measured ranking on the GPU, where it must pass the contract first."""
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,12 @@ def _key(row: dict) -> tuple:
     return tuple(str(row.get(c, "")) for c in ("device", "backend", "shape", "length", "kind"))
 
 
-def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
+def merge_rows(old: list[dict], new: list[dict], device: str, passed: set[str] = frozenset()) -> list[dict]:
     """``old`` with ``new`` (one stage's rows on ``device``) in: a backend whose contract failed now
-    keeps only its failure row; one that passed loses an earlier failure row; a measured case
-    replaces the same case's row; everything else stays (other lengths, backends, devices)."""
-    checked = {r["backend"] for r in new}
+    keeps only its failure row; one that passed now (``passed``, or a timed row) loses an earlier
+    failure row; a measured case replaces the same case's row; everything else stays (other
+    lengths, backends, devices)."""
+    checked = {r["backend"] for r in new} | set(passed)
     failed_now = {r["backend"] for r in new if r["contract"] != "ok"}
     new_keys = {_key(r) for r in new}
 
@@ -59,9 +60,9 @@ def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
     return [r for r in old if keep(r)] + [{c: str(r.get(c, "")) for c in COLUMNS} for r in new]
 
 
-def write_rows(rows: list[dict], device: str, path: Path = KERNEL_SPEED_CSV) -> None:
+def write_rows(rows: list[dict], device: str, path: Path = KERNEL_SPEED_CSV, passed: set[str] = frozenset()) -> None:
     """Merge one stage's ``rows`` on ``device`` into the file (``merge_rows``)."""
-    merged = merge_rows(read_rows(path), rows, device)
+    merged = merge_rows(read_rows(path), rows, device, passed)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")

@@ -9,7 +9,7 @@ from titan_upipe.plan.dims import model_dims_from_args
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.step import plan
-from titan_upipe.torchtitan_0_2.flavors import flavor_args
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 
 PLAN_AUTO_BACKEND = "flash_attn4"
 """What ``attention_backend = "auto"`` resolves to on the GPUs the recipes target (Hopper with
@@ -64,7 +64,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
         prefetch_after_attention=bool(getattr(ac, "prefetch_after_attention", False)),
         resident_blocks=int(getattr(ac, "resident_blocks", 0)),
-        device=device, documents=getattr(model_args, "attn_mask_type", "causal") == "block_causal",
+        device=device, documents=packs_documents(model_args),
         optimizer_state_on_host=bool(getattr(job_config.optimizer, "state_on_host", False)),
     )
 

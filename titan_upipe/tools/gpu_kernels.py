@@ -91,14 +91,23 @@ def contract_checks(device: str) -> list[dict]:
         if reason is not None:
             results.append(_result("contract", name, True, reason, skipped=True))
             continue
-        for case in contract_cases((torch.bfloat16, torch.float32)):
-            if cls.dtype_problem(case.dtype) is not None:
-                continue
-            r = check_contract(cls(), case, device)
-            worst = max(r.split, key=lambda n: max(r.whole[n], r.split[n]) / r.allowed[n])
-            results.append(_result("contract", f"{name} {case.id}", r.ok,
-                                   f"worst {worst}: whole {r.whole[worst]:.2e}, split {r.split[worst]:.2e}, "
-                                   f"allowed {r.allowed[worst]:.2e}"))
+        try:
+            results += _backend_contract(cls, device)
+        except Exception as exc:  # one backend's crash is its failed verdict; the others still run
+            results.append(_result("contract", name, False, f"{type(exc).__name__}: {exc}"))
+    return results
+
+
+def _backend_contract(cls, device: str) -> list[dict]:
+    results = []
+    for case in contract_cases((torch.bfloat16, torch.float32)):
+        if cls.dtype_problem(case.dtype) is not None:
+            continue
+        r = check_contract(cls(), case, device)
+        worst = max(r.split, key=lambda n: max(r.whole[n], r.split[n]) / r.allowed[n])
+        results.append(_result("contract", f"{cls.name} {case.id}", r.ok,
+                               f"worst {worst}: whole {r.whole[worst]:.2e}, split {r.split[worst]:.2e}, "
+                               f"allowed {r.allowed[worst]:.2e}"))
     return results
 
 

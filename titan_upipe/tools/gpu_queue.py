@@ -31,6 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_upipe.tools.gpu_attention import DENSE_LENGTHS, case_key, plan_cases
+
+
+def case_key_of(case) -> tuple:
+    return case.backend, case.shape.name, case.length, case.kind
+
+
 KERNEL_BACKENDS = ("cudnn", "flash_attn4", "sdpa")
 """Backends whose contract the kernels item needs a verdict on."""
 
@@ -70,11 +77,16 @@ def kernels_done(reports: list[dict]) -> bool:
 
 
 def attention_done(lengths: tuple[str, ...], backends: tuple[str, ...]) -> Callable[[list[dict]], bool]:
+    """Every backend either reported unusable or failing its contract, or with a result (timed,
+    out of memory, or an error) for every case the stage plans for it at ``lengths``."""
+    planned = {b: {case_key_of(c) for c in plan_cases("cuda", [b], {x: DENSE_LENGTHS[x] for x in lengths})}
+               for b in backends}
+
     def done(reports: list[dict]) -> bool:
         results = [r for _, r in _results(reports, "attention")]
-        reported = {r["backend"] for r in results if r.get("skipped") or not r.get("ok", True)}
-        timed = {(r["backend"], r["length"]) for r in results if "fwd_ms" in r or r.get("oom")}
-        return all(b in reported or all((b, x) in timed for x in lengths) for b in backends)
+        unusable = {r["backend"] for r in results if r.get("skipped") or (not r.get("ok", True) and "shape" not in r)}
+        measured = {case_key(r) for r in results if "shape" in r}
+        return all(b in unusable or planned[b] <= measured for b in backends)
     return done
 
 

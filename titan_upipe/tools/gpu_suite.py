@@ -187,6 +187,7 @@ ATTENTION_LENGTHS = ("128K", "1M")
 
 
 def attention_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
+    """The attention stage's lengths of ``--lengths`` (none where it names only emulator lengths)."""
     return {x: DENSE_LENGTHS[x] for x in (lengths or ATTENTION_LENGTHS) if x in DENSE_LENGTHS}
 
 
@@ -387,6 +388,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
     if args.next and (args.stage != "all" or args.lengths or args.select):
         parser.error("--next picks its own stages, lengths and runs: drop --stage, --lengths and --select")
+    if args.stage == "attention" and args.lengths and not set(args.lengths) & set(DENSE_LENGTHS):
+        parser.error(f"--lengths for the attention stage: {', '.join(DENSE_LENGTHS)}")
     if args.select is not None and args.stage in ("kernels", "attention", "all"):
         parser.error(f"--select narrows the emulator stages (memory, speed, tsp), not --stage {args.stage}")
     return args
@@ -546,14 +549,14 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
             report.results = earlier + [{**r, "device": report.environment.get("device", device)} for r in results]
             report.not_run = not_run
             report.write(out)
+            copy = out / KERNEL_SPEED_CSV.name
+            if device == "cuda" and KERNEL_SPEED_CSV.exists() and copy.resolve() != KERNEL_SPEED_CSV.resolve():
+                copy.write_text(KERNEL_SPEED_CSV.read_text())  # the folder that comes back from a device machine
 
         # (on a CPU, make test's run: the stage's tiny CPU lengths, whatever --lengths says)
         run_attention_stage(device, deadline, report.environment, save_cases,
                             attention_lengths(args.lengths) if device == "cuda" else None,
                             measured={case_key(r) for r in earlier})
-        copy = out / KERNEL_SPEED_CSV.name
-        if device == "cuda" and copy.resolve() != KERNEL_SPEED_CSV.resolve():
-            copy.write_text(KERNEL_SPEED_CSV.read_text())  # the folder that comes back from a device machine
         return report
     runs = plan_runs(stage, args.lengths, args.select)
     if deadline is None:

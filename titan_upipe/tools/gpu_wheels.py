@@ -242,9 +242,27 @@ def _stub_site(site: Path, image: dict[str, str | None]) -> None:
         (info / "RECORD").write_text("")
 
 
+def fits_the_gpu_machines(file: str) -> bool:
+    """A wheel file name whose tags install on the GPU machines (CPython 3.12, Linux x86-64)."""
+    _, _, rest = file[:-len(".whl")].partition("-")
+    *_, python_tag, abi_tag, platform_tag = rest.split("-")
+    python_ok = any(t in ("py3", "py312", "cp312") or t == "py2.py3" for t in python_tag.split("."))
+    abi_ok = any(t in ("none", "abi3", "cp312") for t in abi_tag.split("."))
+    platform_ok = platform_tag == "any" or all(t.endswith("_x86_64") and t.startswith("manylinux")
+                                               for t in platform_tag.split("."))
+    return python_ok and abi_ok and platform_ok
+
+
 def resolve(python: str, image: dict[str, str | None]) -> dict:
     """pip's ``--report`` for ``ROOTS`` under ``CONSTRAINTS``, in a scratch environment of ``python``
-    (CPython 3.12) that has the image's packages installed as stubs (needs PyPI)."""
+    (CPython 3.12) that has the image's packages installed as stubs (needs PyPI). The resolver picks
+    wheels for the interpreter it runs in, so that must be CPython 3.12 on Linux x86-64."""
+    probe = "import platform, sys; print(platform.python_implementation(), sys.version_info[:2] == (3, 12), " \
+            "sys.platform, platform.machine())"
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    if found != ["CPython", "True", "linux", "x86_64"]:
+        raise SystemExit(f"{python} is {' '.join(found)}: the lock is resolved with CPython 3.12 on Linux x86-64, "
+                         "the GPU machines' (pass --python)")
     with tempfile.TemporaryDirectory() as tmp:
         venv = Path(tmp) / "venv"
         subprocess.run([python, "-m", "venv", str(venv)], check=True)

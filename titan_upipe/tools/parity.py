@@ -45,7 +45,7 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_runs,
     packed_document_tokens,
 )
-from titan_upipe.torchtitan_0_2.flavors import flavor_args
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.launch import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
@@ -229,7 +229,7 @@ def run_check(argv: list[str]) -> int:
     register_plugin()
     setup, owns_process_group = _setup(argv)
     options, job_config = setup.options, setup.job_config
-    documents = getattr(flavor_args(job_config), "attn_mask_type", "causal") == "block_causal"
+    documents = packs_documents(flavor_args(job_config))
     if documents and setup.cp == 1:
         raise SystemExit("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
                          "attention against TorchTitan's per document: set parallelism.context_parallel_degree "

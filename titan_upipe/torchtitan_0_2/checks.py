@@ -23,7 +23,7 @@ from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET, SYNTHETIC_DAT
 from titan_upipe.errors import ConfigError, did_you_mean
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode, divisors
 from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES
-from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim, flavor_args
+from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim, flavor_args, head_dim, packs_documents
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
 from titan_upipe.tsp.shards import tsp_problems
@@ -187,17 +187,6 @@ def model_heads(job_config) -> tuple[int, int]:
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
-def packs_documents(job_config) -> bool:
-    """The flavor attends within packed documents (``attn_mask_type = "block_causal"``)."""
-    return getattr(flavor_args(job_config, update=False), "attn_mask_type", "causal") == "block_causal"
-
-
-def model_head_dim(job_config) -> int:
-    """The configured flavor's attention head dimension (Qwen3 sets it; Llama3's is dim / heads)."""
-    args = flavor_args(job_config, update=False)
-    return getattr(args, "head_dim", None) or args.dim // args.n_heads
-
-
 def cp_layout(job_config) -> CPLayout:
     """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``,
     the flavor's heads, ``training.seq_len``), validated; raises ConfigError."""
@@ -274,9 +263,10 @@ def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | 
     honours the merged out/lse."""
     layout = layout or cp_layout(job_config)
     # packed documents on CUDA need a varlen kernel: auto passes over those without one
-    varlen = titan_utils.device_type == "cuda" and packs_documents(job_config)
+    args = flavor_args(job_config, update=False)
+    varlen = titan_utils.device_type == "cuda" and packs_documents(args)
     return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=layout.has_ring,
-                          probe=probe, head_dim=model_head_dim(job_config), varlen=varlen)
+                          probe=probe, head_dim=head_dim(args), varlen=varlen)
 
 
 # ---------------------------------------------------------------------------- memory transforms

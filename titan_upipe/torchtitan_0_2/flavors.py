@@ -103,6 +103,16 @@ def flavor_args(job_config, *, update: bool = True):
     return args
 
 
+def head_dim(args) -> int:
+    """A flavor's attention head dimension (Qwen3 sets it; Llama3's is dim / heads)."""
+    return getattr(args, "head_dim", None) or args.dim // args.n_heads
+
+
+def packs_documents(args) -> bool:
+    """The flavor attends within packed documents (``attn_mask_type = "block_causal"``)."""
+    return getattr(args, "attn_mask_type", "causal") == "block_causal"
+
+
 def ffn_hidden_dim(args) -> int:
     """The feed-forward width ``F`` of a Llama3 ``TransformerModelArgs`` (``2/3 * 4d``, scaled by
     ``ffn_dim_multiplier``, rounded up to ``multiple_of``, as TorchTitan's ``FeedForward`` sizes it)

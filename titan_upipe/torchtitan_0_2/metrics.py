@@ -43,6 +43,7 @@ from torchtitan.tools.logging import logger
 
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
+from titan_upipe.torchtitan_0_2.flavors import head_dim
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 GIB = 1024**3
@@ -84,10 +85,6 @@ def torchtitan_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: 
     return 6 * n_layers * n_heads * (2 * head_dim) * seq_len
 
 
-def model_head_dim(model_args: Any) -> int:
-    return getattr(model_args, "head_dim", None) or model_args.dim // model_args.n_heads
-
-
 class LongContextMetricsProcessor(MetricsProcessor):
     """TorchTitan's metrics with causal attention FLOPs and the grouped tags above."""
 
@@ -103,7 +100,7 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._flops_per_token = -1
         self._attention_overcount = 0
         if model_args is not None:
-            shape = (model_args.n_layers, model_args.n_heads, model_head_dim(model_args), job_config.training.seq_len)
+            shape = (model_args.n_layers, model_args.n_heads, head_dim(model_args), job_config.training.seq_len)
             self._attention_overcount = (torchtitan_attention_flops_per_token(*shape)
                                          - causal_attention_flops_per_token(*shape))
 
