@@ -54,7 +54,7 @@ gpu-suite:
 # under torch's FakeTensorMode (tests/test_fa4_compile.py, docs/attention.md; ~40 s on 2 cores). Installs
 # the [gpu] extra as pip resolves it, but for nvidia-cutlass-dsl-libs-cu12: the CuTe DSL metapackage
 # requires that CUDA 12 compiler (92 MB) unconditionally, one compiler flavor suffices and the GPU
-# machines (CUDA 13) load libs-cu13, so the lock (docs/data/gpu_wheels.json) leaves cu12 out and so
+# machines (CUDA 13) load libs-cu13, so the lock (titan_upipe/resources/gpu_wheels.json) leaves cu12 out and so
 # does this: pip resolves (--dry-run --report, metadata only), then installs that list --no-deps.
 # TITAN_UPIPE_REQUIRE_FA4=1: a flash-attn-4 that is missing or does not import fails, never skips.
 FA4_STAMP := $(VENV)/.fa4-installed

@@ -42,7 +42,7 @@ from titan_upipe.plan.sizes import StepSizes  # noqa: E402
 from titan_upipe.plan.step import plan  # noqa: E402
 from titan_upipe.torchtitan_0_2 import checks as validation  # noqa: E402
 from titan_upipe.torchtitan_0_2 import parallelize
-from titan_upipe.torchtitan_0_2.launch import parse_config  # noqa: E402
+from titan_upipe.torchtitan_0_2.config_parse import parse_config  # noqa: E402
 from titan_upipe.torchtitan_0_2.registry import register_plugin  # noqa: E402
 
 GIB = 1024**3

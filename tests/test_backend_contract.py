@@ -248,7 +248,7 @@ def test_cuda_backends_honour_the_contract(case):
 def test_job_with_an_unusable_backend_fails_before_any_process_group(monkeypatch):
     """Before process groups: package metadata and dtype only (it may run on a login node)."""
     from titan_upipe.torchtitan_0_2.checks import check_job
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     monkeypatch.setattr(FlashAttn4Backend, "installed", classmethod(lambda cls: False))
     ring = ["--job.config_file", "configs/debug/ring.toml", "--upipe.attention_backend"]

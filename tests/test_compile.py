@@ -86,7 +86,7 @@ def test_compiled_parts_are_norms_and_feed_forwards_never_the_attention(family, 
 
 
 def _job(*overrides: str):
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     return parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--compile.enable",
                          "--compile.backend", "aot_eager", *overrides])

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from titan_upipe.torchtitan_0_2.config import ATTENTION_BACKENDS, ConfigError
-from titan_upipe.torchtitan_0_2.launch import parse_config, with_plugin_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config, with_plugin_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.toml"))

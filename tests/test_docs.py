@@ -201,7 +201,7 @@ def test_documented_cpu_launch_commands_can_run():
     starting (``validate --no-assets``): e.g. run_train.sh's header once showed a CP = 4 config
     on 2 ranks."""
     from titan_upipe.tools.preflight import find_problems
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     commands = _cpu_launch_commands()
     problems = {command: find_problems(parse_config(["--job.config_file", str(REPO / command[0]), *command[2]]),

@@ -69,7 +69,7 @@ def _emulate_cli(config: str, world: int, *extra: str) -> dict:
 _MEASURE_FAKE = """
 import json, sys
 from titan_upipe.emulate import measure_step
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 out = {}
 for config, world, args in json.loads(sys.argv[1]):
     out[config] = measure_step(parse_config(args), world, fake=True).to_dict()
@@ -95,7 +95,7 @@ def emulated() -> dict[str, dict]:
 
 def _measure_real(rank, world, mesh, config, seq_len):
     from titan_upipe.emulate import measure_step
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     job_config = parse_config(["--job.config_file", str(REPO / config), "--training.seq_len", str(seq_len)])
     return measure_step(job_config, world, fake=False).to_dict()
@@ -137,7 +137,7 @@ def test_cli_json_has_the_report_keys(emulated):
 _EXTRAPOLATE = """
 import json, sys
 from titan_upipe.emulate import StateBytes, StepPeaks, extrapolate_layers, measure_step
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 results = {}
 for name, args, world in json.loads(sys.argv[1]):
     job = parse_config(args)
@@ -279,7 +279,7 @@ import json
 from titan_upipe.attention import module
 from titan_upipe.emulate import measure_step
 from titan_upipe.emulate.cli import report_lines
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 calls = []
 

@@ -1,6 +1,6 @@
 """The wheels carried to the offline GPU machines are a closed set: the committed lock
-(``docs/data/gpu_wheels.json``, pip's resolver's output) checked offline against the committed
-image list (``docs/data/gpu_image_packages.txt``): every ``Requires-Dist`` of every carried wheel,
+(``titan_upipe/resources/gpu_wheels.json``, pip's resolver's output) checked offline against the committed
+image list (``titan_upipe/resources/gpu_image_packages.txt``): every ``Requires-Dist`` of every carried wheel,
 under its active extras and the GPU machines' markers, met by a carried wheel, the image or a named
 exclusion. The H100 run of 2026-11-23 lost FlashAttention-4 to a hand-written list that omitted
 ``nvidia-cutlass-dsl-libs-core``: that lock must fail here."""

@@ -278,7 +278,7 @@ def test_spec_builds_host_state_adamw_only_with_the_switch():
 def test_settings_it_does_not_run_are_refused(overrides, message):
     from titan_upipe.torchtitan_0_2.checks import check_optimizer
     from titan_upipe.torchtitan_0_2.config import ConfigError
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     job = parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host",
                         *overrides])

@@ -8,8 +8,8 @@ from trainer_utils import REPO
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.tools import preflight as validate
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.job_assets import check_assets
-from titan_upipe.torchtitan_0_2.launch import parse_config
 
 RECIPE = str(REPO / "configs/llama3_8b/upipe_4m.toml")
 GIB = 1024**3

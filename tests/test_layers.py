@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "parallel", "attention", "transforms", "tsp", "optim", "costs", "contracts"),
+    "core": ("errors", "resources", "parallel", "attention", "transforms", "tsp", "optim", "costs", "contracts"),
     "glue": ("torchtitan_0_2", "data", "plugin", "config"),
     "tools": ("tools", "plan", "emulate", "train", "validate", "check", "gpu_suite"),
 }
@@ -196,7 +196,7 @@ names = [m.name for m in pkgutil.walk_packages(titan_upipe.__path__, "titan_upip
          if m.name != "titan_upipe.plugin" and not m.name.endswith("__main__")]
 for name in names:
     importlib.import_module(name)
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.checks import check_job
 check_job(parse_config(["--job.config_file", "configs/debug/llama3_upipe_transforms.toml"]), 2)  # needs no registry
 from torchtitan.protocols import model_converter
@@ -229,3 +229,19 @@ def test_importing_any_module_registers_nothing_until_the_plugin_entry_point():
     assert before.startswith("before: []"), before  # no module registered anything on import
     assert not before.endswith(" cpu"), before  # nor switched TorchTitan to the CPU runtime
     assert after == "after: registered cpu", after
+
+
+def test_the_data_the_package_reads_is_installed_with_it(tmp_path):
+    """A wheel of the package (what a non-editable install puts in site-packages) carries every file
+    the code reads through ``titan_upipe.resources``; nothing reads the repository's ``docs/``."""
+    import zipfile
+
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(PACKAGE.parent)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = tmp_path.glob("titan_upipe-*.whl")
+    members = set(zipfile.ZipFile(wheel).namelist())
+    data = sorted(p.name for p in (PACKAGE / "resources").iterdir() if p.suffix in (".csv", ".json", ".txt", ".md"))
+    assert data and all(f"titan_upipe/resources/{name}" in members for name in data), data
+    readers = [p for p in PACKAGE.rglob("*.py") if '"docs"' in p.read_text() and "parents[" in p.read_text()]
+    assert readers == [], readers

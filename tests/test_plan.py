@@ -216,7 +216,7 @@ def test_plot_is_written(tmp_path, capsys):
     assert P.main(["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--gpu-mem", "80",
                    "--host-mem", "1900", "--plot", str(out)]) == 0
     assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    table = P.paper_table4("llama3_8b")  # docs/data/paper_tables.csv, inside the repository
+    table = P.paper_table4("llama3_8b")  # titan_upipe/resources/paper_tables.csv, inside the repository
     assert table["upipe"][P.parse_length("5M")] == pytest.approx(72.30)
     assert table["ulysses"][P.parse_length("4M")] is None  # OOM
 
@@ -226,7 +226,7 @@ def test_plot_is_written(tmp_path, capsys):
 EMULATE = r"""
 import json, sys
 from titan_upipe.emulate import measure_step  # measure_step registers the plugin itself
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 out = []
 for spec in json.loads(sys.argv[1]):
     m = measure_step(parse_config(spec["args"]), spec["world"], fake=True, time_attention=False)
@@ -269,7 +269,7 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     for (args, world), got in zip(CASES, measured, strict=True):
         result = P.plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
@@ -288,7 +288,7 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
 
 def _real_rank(rank, world, mesh, args):
     from titan_upipe.emulate import measure_step
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     return measure_step(parse_config(args), world, fake=False, time_attention=False).total_peak_bytes
 
@@ -299,7 +299,7 @@ def test_prediction_within_10_percent_of_a_real_gloo_job():
 
     args = ["--job.config_file", str(REPO / "configs/debug/upipe.toml"), "--training.seq_len", "256"]
     per_rank = run_distributed(4, _real_rank, args, timeout=600)
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     predicted = P.plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
     for total in per_rank:
@@ -355,3 +355,31 @@ def test_which_blocks_prefetch_an_offloaded_input():
     assert not any(prefetches(replace(job, cpu_offload=False), i, n) for i in range(n))
     assert not any(prefetches(replace(job, ac_mode="none"), i, n) for i in range(n))
     assert [i for i in range(2) if prefetches(replace(job, resident_blocks=2), i, 2)] == []
+
+
+PLANNER_ALONE = """
+import contextlib, io, sys, time
+import titan_upipe.plan
+from titan_upipe.plan.cli import main
+loaded = "torchtitan.train" in sys.modules
+times = []
+for argv in (["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--ulysses", "8", "--gpu-mem", "80", "--json"],
+             ["--job.config_file", "configs/llama3_8b/upipe_1m.toml", "--json"]):
+    for _ in range(2):  # the second call: imports and first-use caches warm
+        began = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(argv) == 0
+        seconds = time.perf_counter() - began
+    times.append(seconds)
+print(loaded, "torchtitan.train" in sys.modules, max(times))
+"""
+
+
+def test_the_planner_loads_no_trainer_and_answers_in_well_under_a_second():
+    """``import titan_upipe.plan`` (and a planner call, from a model or a TOML) loads no TorchTitan
+    trainer: it is arithmetic over the config; once imported, an answer takes well under a second."""
+    out = subprocess.run([sys.executable, "-c", PLANNER_ALONE], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    on_import, after_calls, seconds = out.stdout.split()
+    assert on_import == "False" and after_calls == "False"
+    assert float(seconds) < 0.5, seconds

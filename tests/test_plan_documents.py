@@ -101,7 +101,7 @@ def test_the_plan_holds_the_index_in_every_moment_and_adds_the_build_moments():
 
 def test_the_job_config_reader_takes_block_causal_from_the_model_args():
     from titan_upipe.plan.job_config import plan_input_from_job_config
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
     from titan_upipe.torchtitan_0_2.registry import register_plugin
 
     register_plugin()

@@ -43,7 +43,7 @@ def test_recipe_matrix():
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.path for r in RECIPES])
 def test_config_validates_for_its_world_size(recipe):
     from titan_upipe.tools.preflight import find_problems
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     job_config = parse_config(["--job.config_file", str(REPO / recipe.path)])
     assert find_problems(job_config, recipe.ranks) == []
@@ -53,7 +53,7 @@ def test_config_validates_for_its_world_size(recipe):
 
 
 def test_paper_setup_in_gpu_recipes():
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     job_config = parse_config(["--job.config_file", str(REPO / "configs/llama3_8b/upipe_5m.toml")])
     assert job_config.training.seq_len == 5 * 1024 * 1024
@@ -119,7 +119,7 @@ def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.units import GIB
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length, late in (("6m", False), ("7m", True)):
@@ -141,7 +141,7 @@ def test_qwen3_32b_past_4m_recipes_fit_by_the_planner():
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.units import GIB
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length in ("5m", "6m"):

@@ -138,7 +138,7 @@ def test_a_model_only_final_save_is_refused_before_training(reference, tmp_path)
     import torch.distributed.checkpoint as dcp
 
     from titan_upipe.errors import ConfigError
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     folder = tmp_path / "checkpoint"
     shutil.copytree(reference / "checkpoint" / "step-2", folder / "step-2")

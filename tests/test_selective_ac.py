@@ -23,7 +23,7 @@ from titan_upipe.torchtitan_0_2 import launch as train
 from titan_upipe.torchtitan_0_2 import parallelize
 from titan_upipe.torchtitan_0_2.checks import check_activation_checkpointing, check_job
 from titan_upipe.torchtitan_0_2.config import ConfigError
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 UPIPE = REPO / "configs/debug/llama3_upipe.toml"  # CP = 2, world 2, mode = "none"
 

@@ -22,8 +22,8 @@ def test_flavor_args_are_a_copy_updated_from_the_config():
     from torchtitan.protocols.train_spec import get_train_spec
 
     from titan_upipe.torchtitan_0_2.config import ConfigError
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
     from titan_upipe.torchtitan_0_2.flavors import flavor_args
-    from titan_upipe.torchtitan_0_2.launch import parse_config
 
     job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "8192"])
     shared = get_train_spec(job.model.name).model_args[job.model.flavor]

@@ -469,7 +469,7 @@ TRANSFORMS_CONFIG = "configs/debug/llama3_upipe_transforms.toml"
 
 
 def transforms_job(*overrides: str):
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     return parse_config(["--job.config_file", TRANSFORMS_CONFIG, *overrides])
 
@@ -508,7 +508,7 @@ def test_invalid_transform_jobs_are_rejected_before_any_process_group(overrides,
 @pytest.mark.parametrize("key", ["mlp_tile_tokens", "rmsnorm_tile_tokens", "ce_chunk_tokens"])
 def test_negative_tile_sizes_name_the_key(tmp_path, key):
     from titan_upipe.torchtitan_0_2.config import ConfigError
-    from titan_upipe.torchtitan_0_2.launch import parse_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     path = tmp_path / "job.toml"
     path.write_text(f"[transforms]\n{key} = -4\n")

@@ -4,7 +4,7 @@ import pytest
 
 from titan_upipe.torchtitan_0_2.checks import check_job, cp_mode
 from titan_upipe.torchtitan_0_2.config import ConfigError
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 UPIPE = "configs/debug/llama3_upipe.toml"  # llama3 debug: 8 query heads, 2 KV heads, CP = 2
 

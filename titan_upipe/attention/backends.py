@@ -282,7 +282,7 @@ BACKEND_SETTINGS = (AUTO, *BACKENDS)
 """Values of ``[upipe] attention_backend``: ``auto`` and every backend name."""
 AUTO_ORDER = ("flash_attn4", "flash_attn3", "flash_attn", "sdpa", "cudnn")
 """``auto``'s candidates, and their order where nothing is measured on the job's GPU (``auto_order``
-reads the measured order from ``docs/data/kernel_speed.csv``). This default: FA4 and FA3 lead on
+reads the measured order from ``titan_upipe/resources/kernel_speed.csv``). This default: FA4 and FA3 lead on
 Hopper, then the FA2-class kernels (``flash_attn``, torch's flash kernel behind ``sdpa``, which
 passed the contract on an H100). ``cudnn`` comes last until a GPU measures it: its backward has
 run the contract only over an emulation of its ops, and public H100 figures (near FA3, about 630
@@ -318,7 +318,7 @@ def _problem(cls: type[LocalAttentionBackend], dtype: torch.dtype | None, ring: 
 
 def auto_order(probe: bool = True) -> tuple[str, ...]:
     """``auto``'s candidates, fastest first: the order measured on this GPU
-    (``kernel_speed.measured_order``, ``docs/data/kernel_speed.csv``; a backend that failed its
+    (``kernel_speed.measured_order``, ``titan_upipe/resources/kernel_speed.csv``; a backend that failed its
     contract here is left out), else ``AUTO_ORDER``. ``probe=False`` asks CUDA nothing: ``AUTO_ORDER``."""
     device = torch.cuda.get_device_name() if probe and torch.cuda.is_available() else None
     return measured_order(device, AUTO_ORDER)

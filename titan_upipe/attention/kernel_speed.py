@@ -1,4 +1,4 @@
-"""Measured attention-kernel speed (``docs/data/kernel_speed.csv``) and the ``auto`` order it gives.
+"""Measured attention-kernel speed (``titan_upipe/resources/kernel_speed.csv``) and the ``auto`` order it gives.
 
 The GPU suite's ``attention`` stage times every usable backend's forward and backward at one rank's
 shapes of the recipes (``titan_upipe.tools.gpu_attention``) and writes one row per (device, backend,
@@ -25,7 +25,9 @@ import csv
 import math
 from pathlib import Path
 
-KERNEL_SPEED_CSV = Path(__file__).resolve().parents[2] / "docs" / "data" / "kernel_speed.csv"
+from titan_upipe.resources import resource
+
+KERNEL_SPEED_CSV = resource("kernel_speed.csv")
 COLUMNS = ("device", "date", "torch", "backend", "shape", "q_heads", "kv_heads", "head_dim", "length", "tokens",
            "kind", "contract", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops")
 

@@ -22,7 +22,7 @@ TorchTitan overrides (``--training.seq_len 4096``, ``--upipe.heads_per_stage 8``
 pass through. CUDA is used when available (as ``titan_upipe.check`` does), else the CPU;
 ``PYTORCH_CUDA_ALLOC_CONF`` defaults to ``expandable_segments:True`` as in ``scripts/run_train.sh``.
 ``--summarize A.json B.json ...`` tabulates ``--json`` outputs next to the paper's Llama3-8B
-Table 4 (peak memory) and Table 5 (step time) from ``docs/data/paper_tables.csv``.
+Table 4 (peak memory) and Table 5 (step time) from ``titan_upipe/resources/paper_tables.csv``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.emulate.rank import rank_device
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 

@@ -20,7 +20,7 @@ from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, parse_length
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 

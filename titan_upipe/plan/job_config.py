@@ -22,7 +22,7 @@ def _dtype_bytes(name: str) -> int:
 
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
-    """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.torchtitan_0_2.launch.parse_config``)."""
+    """PlanInput of a parsed TorchTitan JobConfig (``titan_upipe.torchtitan_0_2.config_parse.parse_config``)."""
     model_args = flavor_args(job_config, update=False)
     dims = model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args)
     converters = list(job_config.model.converters)

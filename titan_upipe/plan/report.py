@@ -1,6 +1,6 @@
 """What the planner reports: the summary (one JSON-able dict), its text rendering, and the plot
 of predicted peak vs sequence length with the paper's Table 4 points
-(``docs/data/paper_tables.csv``)."""
+(``titan_upipe/resources/paper_tables.csv``)."""
 
 from __future__ import annotations
 

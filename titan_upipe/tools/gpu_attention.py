@@ -22,7 +22,7 @@ half of ``QK^T`` and ``PV`` a causal mask keeps, two flops per multiply-add):
 
 summed over the documents of a varlen call. Times are CUDA-event medians after a warm-up call
 (which also pays a JIT kernel's first compilation); one timed call per case at 1M and beyond.
-Results go to the stage report and ``docs/data/kernel_speed.csv`` (this device's rows replaced).
+Results go to the stage report and ``titan_upipe/resources/kernel_speed.csv`` (this device's rows replaced).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ SLOWDOWN_SHAPE, SLOWDOWN_TOKENS = "llama3_8b", 1024 * 1024
 
 def kernel_slowdown(device: str | None = None, rows: list[dict] | None = None) -> float:
     """The slowdown of the kernel ``auto`` picks on ``device`` (default: the GPU of the newest
-    measurements, ``docs/data/kernel_speed.csv``) against the paper's FA3 times: ``SDPA_SLOWDOWN``
+    measurements, ``titan_upipe/resources/kernel_speed.csv``) against the paper's FA3 times: ``SDPA_SLOWDOWN``
     scaled by that kernel's measured fwd + bwd time over SDPA's at one rank's Llama3-8B shape at 1M
     (the layer's other work is small there); ``SDPA_SLOWDOWN`` where either is not measured."""
     rows = read_rows() if rows is None else rows
@@ -262,7 +262,7 @@ def run_attention_stage(device: str, deadline: float | None = None, environment:
     """Contract, then timing, of every usable backend; a case whose estimate no longer fits before
     ``deadline`` (``time.monotonic()``) is listed as not run, and a case in ``measured``
     (``case_key``s an earlier call timed on this GPU) is not timed again. ``on_result(results,
-    not_run)`` after each case. On CUDA this call's rows go into ``docs/data/kernel_speed.csv``."""
+    not_run)`` after each case. On CUDA this call's rows go into ``titan_upipe/resources/kernel_speed.csv``."""
     environment = environment or {}
     usable, skipped = usable_backends(device)
     results = [{"check": "attention", "backend": name, "skipped": True, "ok": True, "contract": f"skipped: {why}"}

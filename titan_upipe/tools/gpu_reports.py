@@ -170,7 +170,7 @@ TABLES = {"kernels": _kernel_table, "attention": _attention_table, "memory": _me
 
 def refresh_image_packages(out: Path) -> Path:
     """The machine's own packages (``pip list --format=freeze`` without the carried wheels or this
-    checkout on the path) written over ``docs/data/gpu_image_packages.txt`` and into ``out`` (the
+    checkout on the path) written over ``titan_upipe/resources/gpu_image_packages.txt`` and into ``out`` (the
     folder that comes back from a device machine), so the wheel closure is checked against the
     image as it is."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

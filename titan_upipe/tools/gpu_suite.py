@@ -25,7 +25,7 @@ kernels     the backend contract (``titan_upipe.contracts.backend``) for every b
 attention   forward and backward TFLOP/s of every usable local kernel (after its bf16 contract) at one
             rank's shapes of Llama3-8B C=8 and Qwen3-32B, 128K and 1M (2M with ``--lengths 2M``), and
             packed documents for the varlen kernels (``gpu_attention``): ranked, and written to
-            ``docs/data/kernel_speed.csv``, which ``auto`` and these estimates read
+            ``titan_upipe/resources/kernel_speed.csv``, which ``auto`` and these estimates read
 memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
             C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
@@ -50,8 +50,8 @@ a 2-block run fits one 10-minute call up to 4M; 5M-8M need a machine without tha
 (``--budget-s 3600``). ``--next`` runs the queue's pending items (``gpu_queue``), each a child call.
 Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>[-<select>][-<lengths>].*``) under
 ``docs/benchmarks/gpu/`` or ``--out`` (device, torch, driver, cuDNN, the backend ``auto`` runs, date,
-the exact command); every GPU call also rewrites ``docs/data/gpu_image_packages.txt`` (and the
-attention stage ``docs/data/kernel_speed.csv``) and copies them into ``--out``.
+the exact command); every GPU call also rewrites ``titan_upipe/resources/gpu_image_packages.txt`` (and the
+attention stage ``titan_upipe/resources/kernel_speed.csv``) and copies them into ``--out``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,12 @@ from titan_upipe.tools.gpu_wheels import (
     read_lock,
 )
 from titan_upipe.tools.paper_tables import paper_value
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path.cwd()
+"""The checkout the suite runs in (its recipes under ``configs/``, its reports under
+``docs/benchmarks/gpu/``): the current directory, so that an installed package runs it too."""
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
 STAGES = ("kernels", "attention", "memory", "speed", "tsp")
 DEFAULT_BUDGET_S = 540

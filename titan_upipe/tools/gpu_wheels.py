@@ -13,10 +13,10 @@ torchtitan are installed:
     python3 titan_upipe/tools/gpu_wheels.py check .whl      # what the suite's --dry-run prints (closure, wheels)
     python3 titan_upipe/tools/gpu_wheels.py list            # name==version of every carried wheel
 
-**The closed set** (``docs/data/gpu_wheels.json``, the lock). ``lock`` runs pip's resolver
+**The closed set** (``titan_upipe/resources/gpu_wheels.json``, the lock). ``lock`` runs pip's resolver
 (``pip install --dry-run --report``) for ``ROOTS`` under ``CONSTRAINTS`` in a scratch Python 3.12
 environment whose site-packages holds a stub ``.dist-info`` of every package of the GPU image that
-has a recorded version (``docs/data/gpu_image_packages.txt``, rewritten by the GPU suite from the
+has a recorded version (``titan_upipe/resources/gpu_image_packages.txt``, rewritten by the GPU suite from the
 machine's own ``pip list --format=freeze``). Of pip's install list it carries what the image does
 not have, minus ``EXCLUDED`` (each with its reason), as far as it is reachable from the roots
 through carried packages; the lock keeps each carried wheel's URL, sha256, ``Requires-Dist`` and
@@ -57,8 +57,11 @@ except ImportError:  # a bare GPU image: pip's own copy
     from pip._vendor.packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
-LOCK = REPO / "docs" / "data" / "gpu_wheels.json"
-IMAGE_PACKAGES = REPO / "docs" / "data" / "gpu_image_packages.txt"
+# Package data (titan_upipe/resources), found from this file: it also runs as a plain script, before
+# the package is importable.
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
+LOCK = RESOURCES / "gpu_wheels.json"
+IMAGE_PACKAGES = RESOURCES / "gpu_image_packages.txt"
 
 PART_BYTES = 60 * 2**20
 """Largest file that travels in one piece (a transfer carries 64 MiB at most)."""
@@ -118,7 +121,7 @@ def write_image(freeze: str, path: Path, source: str) -> dict[str, str | None]:
     """Rewrite the image list from ``pip list --format=freeze`` output (``source``: where and when)."""
     header = ["# The GPU machines' image: its Python packages as `python3 -m pip list --format=freeze` printed",
               f"# them there ({source}), the carried wheels off the path. The wheel closure",
-              "# (docs/data/gpu_wheels.json, titan_upipe/tools/gpu_wheels.py) is checked against this list; the GPU",
+              "# (titan_upipe/resources/gpu_wheels.json, titan_upipe/tools/gpu_wheels.py) is checked against this list; the GPU",
               "# suite rewrites it on every GPU run."]
     body = sorted((line.strip() for line in freeze.splitlines()
                    if "==" in line and not line.startswith("#")), key=str.lower)
@@ -419,7 +422,7 @@ def check_closure(lock: dict | None = None, image: dict[str, str | None] | None 
     lock = read_lock() if lock is None else lock
     image = read_image() if image is None else image
     result = closure(lock, image)
-    lines = [f"wheels: {len(lock['wheels'])} carried (docs/data/gpu_wheels.json, resolved {lock['resolved']['date']}), "
+    lines = [f"wheels: {len(lock['wheels'])} carried (titan_upipe/resources/gpu_wheels.json, resolved {lock['resolved']['date']}), "
              f"closure over the image's {len(image)} packages: {'closed' if not result.problems else 'OPEN'}"]
     if result.unverified:
         lines.append("  met by the image by name, its version not recorded yet (the next GPU run's freeze checks): "

@@ -1,6 +1,6 @@
 """The UPipe paper's measured tables, as data inside the repository (tools layer, stdlib only).
 
-``docs/data/paper_tables.csv`` (its source and units: ``docs/data/README.md``) holds one row
+``titan_upipe/resources/paper_tables.csv`` (its source and units: ``titan_upipe/resources/README.md``) holds one row
 per (table, model, GPUs, method, metric) with one column per context length (128K ... 5M);
 an empty cell was not measured, ``OOM`` ran out of memory. The planner's plot, the emulator's
 summary and the GPU suite's reports read it through here.
@@ -12,7 +12,9 @@ import csv
 import functools
 from pathlib import Path
 
-PAPER_TABLES_CSV = Path(__file__).resolve().parents[2] / "docs" / "data" / "paper_tables.csv"
+from titan_upipe.resources import resource
+
+PAPER_TABLES_CSV = resource("paper_tables.csv")
 LENGTH_COLUMNS = ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M")
 OOM = "OOM"
 """A cell whose run went out of memory."""

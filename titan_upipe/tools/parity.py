@@ -40,13 +40,13 @@ from titan_upipe import parallel as sequence_layouts
 from titan_upipe.attention import sequence_mesh
 from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
 from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_attention_masks,
     document_runs,
     packed_document_tokens,
 )
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
-from titan_upipe.torchtitan_0_2.launch import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 

@@ -21,7 +21,7 @@ from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job_config import plan_from_job_config
 from titan_upipe.torchtitan_0_2 import checks as validation
 from titan_upipe.torchtitan_0_2 import job_assets
-from titan_upipe.torchtitan_0_2.launch import parse_config
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 GIB = 1024**3

@@ -44,7 +44,7 @@ class UPipe:
 
     attention_backend: str = "auto"
     """Local attention kernel: auto (at conversion, the fastest installed one that runs the
-    training dtype and head_dim, in the order measured on that GPU (docs/data/kernel_speed.csv), else
+    training dtype and head_dim, in the order measured on that GPU (titan_upipe/resources/kernel_speed.csv), else
     flash_attn4 > flash_attn3 > flash_attn > sdpa > cudnn; logged and written to TensorBoard), sdpa (torch's fused kernels, CPU and GPU), math (explicit fp32
     reference, any device), cudnn (cuDNN attention through torch's own ops: GPU sm80+, cuDNN >=
     9.15.1, fp16/bf16, head_dim a multiple of 8 up to 128), flash_attn, flash_attn3, flash_attn4

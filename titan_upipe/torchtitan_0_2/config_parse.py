@@ -262,3 +262,27 @@ def parse_job_config(args: list[str]):
     check_toml(values, schema, path or "")
     check_flags(args, schema)
     return parse_quietly(args)
+
+
+CONFIG_MODULE = "titan_upipe.config"
+"""``job.custom_config_module``: the plugin's config sections (the root's re-export of
+``torchtitan_0_2.config``, the name users' TOML files carry)."""
+
+
+def with_plugin_config(args: list[str]) -> list[str]:
+    """``args`` plus ``--job.custom_config_module titan_upipe.config`` unless already chosen.
+
+    A TOML that names another module keeps it (that module must then extend ours).
+    """
+    if any(a.split("=", 1)[0] in CONFIG_MODULE_FLAGS for a in args):
+        return args
+    toml_path = flag_value(args, CONFIG_FILE_FLAGS)
+    job = load_toml(toml_path).get("job") if toml_path else None
+    if isinstance(job, dict) and job.get("custom_config_module"):
+        return args
+    return [*args, f"--job.custom_config_module={CONFIG_MODULE}"]
+
+
+def parse_config(args: list[str]):
+    """The JobConfig of ``args`` with the plugin's sections; every mistake raises ConfigError."""
+    return parse_job_config(with_plugin_config(args))

@@ -24,35 +24,10 @@ from torchtitan.tools.logging import init_logger, logger
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.torchtitan_0_2.checks import check_job
-from titan_upipe.torchtitan_0_2.config_parse import (
-    CONFIG_FILE_FLAGS,
-    CONFIG_MODULE_FLAGS,
-    flag_value,
-    load_toml,
-    parse_job_config,
-)
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.job_assets import check_assets
-from titan_upipe.torchtitan_0_2.registry import CONFIG_MODULE, register_plugin
+from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
-
-
-def with_plugin_config(args: list[str]) -> list[str]:
-    """``args`` plus ``--job.custom_config_module titan_upipe.config`` unless already chosen.
-
-    A TOML that names another module keeps it (that module must then extend ours).
-    """
-    if any(a.split("=", 1)[0] in CONFIG_MODULE_FLAGS for a in args):
-        return args
-    toml_path = flag_value(args, CONFIG_FILE_FLAGS)
-    job = load_toml(toml_path).get("job") if toml_path else None
-    if isinstance(job, dict) and job.get("custom_config_module"):
-        return args
-    return [*args, f"--job.custom_config_module={CONFIG_MODULE}"]
-
-
-def parse_config(args: list[str]):
-    """The JobConfig of ``args`` with the plugin's sections; every mistake raises ConfigError."""
-    return parse_job_config(with_plugin_config(args))
 
 
 def _is_rank_zero() -> bool:

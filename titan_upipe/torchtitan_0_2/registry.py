@@ -12,9 +12,6 @@ from torchtitan.protocols.model_converter import register_model_converter
 from titan_upipe.data import synthetic
 from titan_upipe.torchtitan_0_2 import converters, cpu_runtime, specs
 
-CONFIG_MODULE = "titan_upipe.config"
-"""``job.custom_config_module``: the plugin's config sections."""
-
 
 def register_converters(named: dict[str, type]) -> None:
     """Register model converters under their names (TorchTitan asserts on duplicates)."""
