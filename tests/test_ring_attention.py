@@ -149,9 +149,9 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
     converted = convert_attention(module, case.mode, mesh, heads_per_stage=case.heads_per_stage, backend=case.backend)
     assert converted.cp_degree == case.world and converted.ring_degree == case.ring
     if case.sabotage == "block_rule":
-        converted.block_rule = _diagonal_as_full
+        converted.ring_backend.rule = _diagonal_as_full
     if case.sabotage == "document_plan":
-        converted.document_plan = _rectangles_as_whole_blocks
+        converted.ring_backend.document_plan = _rectangles_as_whole_blocks
     if case.kernel == "cuda_emulated" or case.sabotage == "recompute_backward":
         from aten_sdpa_emulation import EmulatedAtenSdpa, RecomputeBackward
 

@@ -5,8 +5,10 @@ from trainer_utils import (
     E2E_SEQ,
     E2E_STEPS,
     assert_losses_close,
+    counting_layouts,
     create_seed_checkpoint,
     e2e_validation,
+    layout_counts,
     load_seed,
     losses,
     read_scalars,
@@ -75,9 +77,12 @@ CP_CASES = [
 def test_context_parallel_matches_one_rank(llama3_seed, llama3_one_rank, llama3_two_ranks, tmp_path, config, ranks,
                                            cp, overrides):
     """Training and validation losses of every CP layout equal one rank's, and the counters
-    count each global batch once (UPipe CP2 itself: conftest.upipe_text_job)."""
+    count each global batch once (UPipe CP2 itself: conftest.upipe_text_job). Each rank builds
+    the job's ``CPLayout`` once, in the job checks; the converters, parallelize, the trainer and
+    the validation loss read that one."""
     torchrun(ranks, "titan_upipe.train", config, tmp_path, "--training.steps", STEPS, *overrides,
-             *e2e_validation(ranks // cp), *load_seed(llama3_seed))
+             *e2e_validation(ranks // cp), *load_seed(llama3_seed), env=counting_layouts(tmp_path / "layouts"))
+    assert layout_counts(tmp_path / "layouts") == [0] + [1] * ranks  # torchrun's own process, then every rank
     assert_losses_close(losses(tmp_path), losses(llama3_one_rank), rtol=1e-5)
     assert [s for s, _ in read_scalars(tmp_path)[VALIDATION]] == [1, 2, 4]
     assert_losses_close(losses(tmp_path, VALIDATION), losses(llama3_one_rank, VALIDATION), rtol=1e-5)

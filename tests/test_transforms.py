@@ -239,8 +239,10 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
 
     converter = UPipeConverter.__new__(UPipeConverter)
     from titan_upipe.attention.backends import BackendChoice
+    from titan_upipe.parallel.cp_layout import CPLayout
 
-    converter.cp_mesh, converter.heads_per_stage = _OneRankMesh(), None
+    converter.cp_mesh = _OneRankMesh()
+    converter.layout = CPLayout(None)  # heads_per_stage 0: U = the mesh's one Ulysses rank
     converter.backend_choice, converter.compute_dtype = BackendChoice("sdpa", "sdpa"), torch.float32
     plain, fused = llama3(), llama3()
     fused.load_state_dict(plain.state_dict())

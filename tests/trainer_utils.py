@@ -27,14 +27,15 @@ of 2 sequences, whatever the data-parallel degree."""
 
 
 def torchrun(nproc: int, module: str, config: str, dump_folder: Path, *overrides: str,
-             timeout: int = 600) -> subprocess.CompletedProcess:
-    """Launch ``module`` on ``nproc`` gloo ranks; raise with the log tail if it fails."""
+             timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Launch ``module`` on ``nproc`` gloo ranks (``env`` added to the environment); raise with
+    the log tail if it fails."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "-m", module, "--job.config_file", str(REPO / config),
         "--job.dump_folder", str(dump_folder), *overrides,
     ]
-    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -72,3 +73,39 @@ def assert_losses_close(actual: list[float], expected: list[float], rtol: float)
     assert len(actual) == len(expected) and expected, (actual, expected)
     for step, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
         assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs reference {e} (rtol {rtol})"
+
+
+COUNT_LAYOUTS = """
+import atexit, os
+from titan_upipe.parallel import cp_layout as _module
+
+_built = [0]
+_post_init = _module.CPLayout.__post_init__
+
+
+def _counted(self):
+    _built[0] += 1
+    _post_init(self)
+
+
+_module.CPLayout.__post_init__ = _counted
+atexit.register(lambda: open(os.path.join(os.environ["TITAN_UPIPE_LAYOUT_COUNTS"], f"{os.getpid()}"), "w")
+                .write(str(_built[0])))
+"""
+
+
+def counting_layouts(folder: Path) -> dict[str, str]:
+    """Environment that makes every process of a launch count the ``CPLayout`` objects it builds,
+    into a file per process under ``folder`` (a ``sitecustomize`` of the test's own: nothing in
+    the package is instrumented)."""
+    site, counts = folder / "site", folder / "counts"
+    site.mkdir(parents=True)
+    counts.mkdir()
+    (site / "sitecustomize.py").write_text(COUNT_LAYOUTS)
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(site) + (os.pathsep + path if path else ""), "TITAN_UPIPE_LAYOUT_COUNTS": str(counts)}
+
+
+def layout_counts(folder: Path) -> list[int]:
+    """The ``CPLayout`` objects each process of the launch built, sorted (torchrun's own: 0)."""
+    return sorted(int(p.read_text()) for p in (folder / "counts").iterdir())

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.models.llama3.model.model import Attention as Llama3Attention
 from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
-from titan_upipe.attention.backends import get_backend
+from titan_upipe.attention.backends import LocalAttentionBackend, get_backend
 from titan_upipe.attention.documents import DocumentMaskedBackend, check_attention_masks
 from titan_upipe.attention.input_checks import (
     check_local_inputs,
@@ -31,7 +31,7 @@ from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPMode, check_cp_degree, check_mode, resolve_heads_per_stage
+from titan_upipe.parallel.cp_layout import CPMode, check_cp_degree, check_mode
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 from titan_upipe.parallel.sequence import layout_for
 
@@ -101,7 +101,7 @@ class ContextParallelAttention(nn.Module):
     """
 
     def __init__(self, source: nn.Module, spec: AttentionSpec, mode: str, cp_mesh: DeviceMesh,
-                 schedule: HeadSchedule, backend: str, ring_degree: int = 1,
+                 schedule: HeadSchedule, backend: str | LocalAttentionBackend, ring_degree: int = 1,
                  compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         # The very same submodules, registered in the source's order: parameters are shared
@@ -118,14 +118,36 @@ class ContextParallelAttention(nn.Module):
         self.attn_type = "sdpa"
         self.spec, self.mode, self.cp_mesh, self.schedule = spec, mode, cp_mesh, schedule
         self.ring_degree = ring_degree
-        # Ring blocks need a backward that honours the merged out/lse: refused here otherwise.
-        self.backend = get_backend(backend, compute_dtype, ring=ring_degree > 1, head_dim=spec.head_dim)
-        self.block_rule = None
-        """None: the causal block rule; tests replace it to show a wrong rule is caught."""
-        self.document_plan = None
-        """None: ``ring_plan.document_step_calls``; tests replace it to show a wrong plan is caught."""
+        # A name is resolved here (ring blocks need a backward that honours the merged out/lse:
+        # refused otherwise); a converter resolves it once for the whole model and passes the kernel.
+        kernel = (backend if isinstance(backend, LocalAttentionBackend) else
+                  get_backend(backend, compute_dtype, ring=ring_degree > 1, head_dim=spec.head_dim))
+        self._ring: RingAttentionBackend | None = None
+        self.backend = kernel
         self.in_place_rope = False
         """RoPE in place where no gradient is recorded; set by the ``fused_rope`` transform."""
+        self._rope_table_checked: tuple | None = None
+
+    @property
+    def backend(self) -> LocalAttentionBackend:
+        """The local kernel (inside the ring where there is one)."""
+        return self._kernel_backend
+
+    @backend.setter
+    def backend(self, kernel: LocalAttentionBackend) -> None:
+        self._kernel_backend = kernel
+        if self._ring is not None:
+            self._ring.local = kernel
+
+    @property
+    def ring_backend(self) -> RingAttentionBackend | None:
+        """The zigzag ring over the mesh's ring ranks around ``backend`` (ring, USP, UPipe in USP):
+        built once, at first use (conversion asks the mesh for no group); a batch of packed
+        documents gets a copy that carries its mask. None without a ring."""
+        if self._ring is None and self.ring_degree > 1:
+            ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
+            self._ring = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size)
+        return self._ring
 
     @property
     def cp_degree(self) -> int:
@@ -157,38 +179,40 @@ class ContextParallelAttention(nn.Module):
 
     def _check_rope_table(self, table: Tensor, positions: Tensor | None, global_len: int) -> None:
         d = self.head_dim
-        if self.spec.rotary is RotaryKind.COMPLEX:
-            ok = table.is_complex() and table.dim() == 2 and table.shape[1] == d // 2
-            expected = f"complex [max_seq, {d // 2}] (Llama3 freqs_cis)"
-        else:
-            ok = not table.is_complex() and table.dim() == 2 and table.shape[1] == 2 * d
-            expected = f"real [max_seq, {2 * d}] (Qwen3 rope_cache)"
-        if not ok:
-            raise ConfigError(f"freqs_cis must be the model's full RoPE table, {expected}; got "
-                              f"{table.dtype} {tuple(table.shape)}")
+        if self._rope_table_checked != (table.dtype, tuple(table.shape)):  # the model's table: once
+            if self.spec.rotary is RotaryKind.COMPLEX:
+                ok = table.is_complex() and table.dim() == 2 and table.shape[1] == d // 2
+                expected = f"complex [max_seq, {d // 2}] (Llama3 freqs_cis)"
+            else:
+                ok = not table.is_complex() and table.dim() == 2 and table.shape[1] == 2 * d
+                expected = f"real [max_seq, {2 * d}] (Qwen3 rope_cache)"
+            if not ok:
+                raise ConfigError(f"freqs_cis must be the model's full RoPE table, {expected}; got "
+                                  f"{table.dtype} {tuple(table.shape)}")
+            self._rope_table_checked = (table.dtype, tuple(table.shape))
         if positions is None and global_len > table.shape[0]:
             raise ConfigError(f"sequence length {global_len} exceeds the RoPE table's {table.shape[0]} rows")
         # Reading positions' maximum would sync an accelerator every layer; check it on CPU only.
         if positions is not None and positions.device.type == "cpu" and int(positions.max()) >= table.shape[0]:
             raise ConfigError(f"positions reach {int(positions.max())} but the RoPE table has {table.shape[0]} rows")
 
+    def _kernel(self, mask) -> LocalAttentionBackend:
+        """The kernel a call runs: the local one, or the ring around it; with packed documents,
+        the one that reads this batch's mask."""
+        if self.ring_backend is not None:
+            return self.ring_backend if mask is None else self.ring_backend.with_documents(mask)
+        # After the all-to-all a rank holds whole rows of its heads: each document one segment.
+        return self.backend if mask is None else DocumentMaskedBackend(self.backend, mask)
+
     def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None) -> Tensor:
+        # What can change per call: the shard's shape, its positions, the batch's documents.
         check_local_inputs(x, positions, self.cp_degree)
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
         mask = check_attention_masks(attention_masks, x.shape[1] * self.cp_degree, x.shape[0])
         local_positions = self._local_positions(x, positions)
         ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
-        backend = self.backend
-        if self.ring_degree > 1:
-            ring_group, ring_rank, ring_size = ring_part(self.cp_mesh)
-            plans = {"rule": self.block_rule, "document_plan": self.document_plan}
-            backend = RingAttentionBackend(self.backend, ring_group, ring_rank, ring_size,
-                                           documents=mask,
-                                           **{k: v for k, v in plans.items() if v is not None})
-        elif mask is not None:
-            # After the all-to-all a rank holds whole rows of its heads: each document one segment.
-            backend = DocumentMaskedBackend(self.backend, mask)
+        backend = self._kernel(mask)
         run = AttentionRun(
             schedule=self.schedule,
             projection=HeadProjection(self.head_dim, self.spec.rotary, freqs_cis, local_positions, self.spec.norm_eps,
@@ -232,22 +256,38 @@ def convert_attention(module: nn.Module, mode: str, cp_mesh: DeviceMesh, heads_p
     backward does not honour the merged out/lse. Every setting is validated here, before any
     communication, raising ConfigError.
     """
+    spec = AttentionSpec.of(module)
+    if check_mode(mode) is not CPMode.UPIPE:
+        heads_per_stage = spec.n_heads  # one stage: Ulysses (and ring, USP) attend all heads at once
+    return convert_attention_of_blocks([module], mode, cp_mesh, heads_per_stage, backend, in_place_rope=in_place_rope,
+                                       compute_dtype=compute_dtype)[0]
+
+
+def convert_attention_of_blocks(modules: list[nn.Module], mode: str, cp_mesh: DeviceMesh, heads_per_stage: int | None,
+                                backend: str, *, in_place_rope: bool = False,
+                                compute_dtype: torch.dtype | None = None) -> list[ContextParallelAttention]:
+    """``convert_attention`` for the blocks of one model, which are alike: the mesh, the head
+    schedule (``heads_per_stage`` U, as resolved by the job's ``CPLayout``: U = H outside UPipe)
+    and the kernel are checked and built once and shared by every block."""
     mode = check_mode(mode).value
     if mode == CPMode.TSP:
         raise ConfigError(TSP_NOT_AN_ATTENTION_MODE)
     ring_degree, ulysses_degree = mesh_degrees(cp_mesh)
     check_mesh_for_mode(mode, ring_degree, ulysses_degree, cp_mesh.ndim, is_ring_mesh(cp_mesh))
-    spec = AttentionSpec.of(module)
+    spec = AttentionSpec.of(modules[0])
     what = "context-parallel degree" if ring_degree == 1 else "ulysses degree"
     check_cp_degree(spec.n_heads, spec.n_kv_heads, ulysses_degree, what)
-    if mode == "upipe":
-        u = resolve_heads_per_stage(spec.n_heads, spec.n_kv_heads, ulysses_degree, heads_per_stage)
-    else:
-        u = spec.n_heads
-    schedule = build_schedule(spec.n_heads, spec.n_kv_heads, ulysses_degree, u)
-    layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, backend, ring_degree, compute_dtype)
-    layer.in_place_rope = in_place_rope
-    return layer
+    schedule = build_schedule(spec.n_heads, spec.n_kv_heads, ulysses_degree, heads_per_stage)
+    kernel = get_backend(backend, compute_dtype, ring=ring_degree > 1, head_dim=spec.head_dim)
+    layers = []
+    for module in modules:
+        if AttentionSpec.of(module) != spec:
+            raise ConfigError(f"the blocks' attentions differ ({AttentionSpec.of(module)} against {spec}): context-"
+                              "parallel conversion shares one head schedule and kernel; convert them one by one")
+        layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, kernel, ring_degree, compute_dtype)
+        layer.in_place_rope = in_place_rope
+        layers.append(layer)
+    return layers
 
 
 def sequence_mesh(model: nn.Module) -> DeviceMesh | None:

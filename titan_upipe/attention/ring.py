@@ -29,6 +29,8 @@ that see nothing in a block (``documents.merge_partial_masked``).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -111,6 +113,13 @@ class RingAttentionBackend(LocalAttentionBackend):
         self.documents, self.document_plan = documents, document_plan
         """The batch's documents (None: one causal sequence) and the plan that reads their runs
         (replaceable only to show the tests catch a wrong plan)."""
+
+    def with_documents(self, documents: DocumentMask) -> RingAttentionBackend:
+        """This ring for one batch of packed documents (a copy: a call's backward reads the mask
+        of its own forward, whatever batch comes next)."""
+        ring = copy.copy(self)
+        ring.documents = documents
+        return ring
 
     def _calls(self, step: int) -> tuple[BlockCall, ...]:
         return step_calls(self.ring_rank, self.ring_size, step, self.rule)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import resolve_mesh_shape
+from titan_upipe.parallel.cp_layout import CPLayout, resolve_mesh_shape
 
 RING_DIM = "ring"
 ULYSSES_DIM = "ulysses"
@@ -91,8 +91,16 @@ def context_parallel_mesh(cp_mesh: DeviceMesh, mode: str, ulysses_degree: int = 
     every rank): build the mesh once, in the converter, and read it back from the converted
     model (``titan_upipe.attention.sequence_mesh``) wherever else it is needed.
     """
-    cp = cp_mesh.size()
-    ring, ulysses, two_d = resolve_mesh_shape(mode, cp, ulysses_degree)
+    return mesh_of_shape(cp_mesh, *resolve_mesh_shape(mode, cp_mesh.size(), ulysses_degree))
+
+
+def layout_mesh(cp_mesh: DeviceMesh, layout: CPLayout) -> DeviceMesh:
+    """``context_parallel_mesh`` of a job's validated layout (its ring and Ulysses degrees)."""
+    return mesh_of_shape(cp_mesh, layout.ring_degree, layout.ulysses_degree, layout.two_d)
+
+
+def mesh_of_shape(cp_mesh: DeviceMesh, ring: int, ulysses: int, two_d: bool) -> DeviceMesh:
+    """``cp_mesh`` itself (no ring, 1-D), a 1-D "ring" mesh, or the 2-D ``(ring, ulysses)`` one."""
     if ring == 1 and not two_d:
         return cp_mesh
     names = MESH_2D_NAMES if two_d else (RING_DIM,)

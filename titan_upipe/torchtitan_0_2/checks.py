@@ -187,20 +187,25 @@ def model_heads(job_config) -> tuple[int, int]:
     return args.n_heads, args.n_kv_heads or args.n_heads
 
 
+LAYOUT_ATTRIBUTE = "_titan_upipe_cp_layout"
+"""Where ``cp_layout`` keeps a job config's layout, with the settings it was built from."""
+
+
 def cp_layout(job_config) -> CPLayout:
-    """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``,
-    the flavor's heads, ``training.seq_len``), validated; raises ConfigError."""
+    """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``, the
+    flavor's heads, ``training.seq_len``), validated (raises ConfigError). Built once per job
+    config and kept on it: the job checks build it (``check_job``, before any process group) and
+    the converters, ``parallelize``, the trainer, the validation loss and the tools read that same
+    object. It is built again only if one of those settings changed since."""
     mode = cp_mode(job_config.model.converters)
     n_heads, n_kv_heads = model_heads(job_config) if mode is not None else (0, 0)
-    return CPLayout(
-        mode=mode,
-        cp_degree=job_config.parallelism.context_parallel_degree,
-        ulysses_setting=job_config.upipe.ulysses_degree,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        heads_per_stage_setting=job_config.upipe.heads_per_stage if mode == "upipe" else 0,
-        seq_len=job_config.training.seq_len,
-    )
+    settings = (mode, job_config.parallelism.context_parallel_degree, job_config.upipe.ulysses_degree, n_heads,
+                n_kv_heads, job_config.upipe.heads_per_stage, job_config.training.seq_len)
+    built = vars(job_config).get(LAYOUT_ATTRIBUTE)
+    if built is None or built[0] != settings:
+        built = (settings, CPLayout(*settings))
+        vars(job_config)[LAYOUT_ATTRIBUTE] = built
+    return built[1]
 
 
 def check_context_parallel(job_config) -> CPLayout:

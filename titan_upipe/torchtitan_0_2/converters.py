@@ -23,11 +23,12 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
-from titan_upipe.attention import convert_attention
+from titan_upipe.attention.module import convert_attention_of_blocks
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel import context_parallel_mesh, layout_for, layout_rank
+from titan_upipe.parallel import layout_for, layout_rank
 from titan_upipe.parallel.cp_layout import CPMode
-from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, check_context_parallel, compute_dtype
+from titan_upipe.parallel.mesh import layout_mesh
+from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype, cp_layout
 from titan_upipe.torchtitan_0_2.config import Transforms
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
@@ -39,22 +40,22 @@ class _ContextParallelAttentionConverter:
     mode: CPMode
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        layout = check_context_parallel(job_config)
-        self.cp_mesh = context_parallel_mesh(parallel_dims.get_mesh("cp"), self.mode, layout.ulysses_setting)
-        self.heads_per_stage = layout.heads_per_stage if self.mode == CPMode.UPIPE else None
+        # The job's layout, as the job checks built it: its mesh shape and U, never re-derived.
+        self.layout = cp_layout(job_config)
+        self.cp_mesh = layout_mesh(parallel_dims.get_mesh("cp"), self.layout)
         # Resolved once here (auto included): every block gets the same kernel.
         self.compute_dtype = compute_dtype(job_config)
-        self.backend_choice = attention_backend_choice(job_config, layout=layout)
+        self.backend_choice = attention_backend_choice(job_config, layout=self.layout)
 
     def convert(self, model: nn.Module) -> None:
         # fused_rope may have run first (converters apply in model.converters order).
         in_place_rope = getattr(model, "fused_rope_kind", None) is not None
-        for block in model.layers.values():
-            block.attention = convert_attention(
-                block.attention, self.mode, self.cp_mesh,
-                heads_per_stage=self.heads_per_stage, backend=self.backend_choice.name, in_place_rope=in_place_rope,
-                compute_dtype=self.compute_dtype,
-            )
+        blocks = list(model.layers.values())
+        converted = convert_attention_of_blocks(
+            [block.attention for block in blocks], self.mode, self.cp_mesh, self.layout.heads_per_stage,
+            self.backend_choice.name, in_place_rope=in_place_rope, compute_dtype=self.compute_dtype)
+        for block, attention in zip(blocks, converted, strict=True):
+            block.attention = attention
         model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
         logger.info("Converted attention to %s over a CP mesh of %d ranks (%s), %s", self.mode, self.cp_mesh.size(),
                     dict(zip(self.cp_mesh.mesh_dim_names or (), self.cp_mesh.shape, strict=True)),
