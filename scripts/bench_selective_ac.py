@@ -3,7 +3,7 @@
 Part 1 (``--part measure``): one rank of a CPU job measured with the rank emulator
 (``titan_upipe.emulate.measure_step``, fake process group, live-tensor tracker): the Llama3 debug
 flavor with ``--layers`` blocks, 4 ranks, bf16 FSDP, tiled MLP/RMSNorm, fused RoPE/CE, every
-converter, the AC settings of ``CASES``. The settings ``validation.check_activation_checkpointing`` refuses are measured
+converter, the AC settings of ``CASES``. The settings ``checks.training.check_activation_checkpointing`` refuses are measured
 too (that check is bypassed here, nothing else). Next to each measurement, the planner's
 prediction (``--device cpu``): ``none`` and ``full`` directly, selective layer AC as
 :func:`selective_estimate` (the planner does not model it).
@@ -40,8 +40,11 @@ from titan_upipe.plan.block import attention_terms, block_retained  # noqa: E402
 from titan_upipe.plan.job_config import plan_input_from_job_config  # noqa: E402
 from titan_upipe.plan.sizes import StepSizes  # noqa: E402
 from titan_upipe.plan.step import plan  # noqa: E402
-from titan_upipe.torchtitan_0_2 import checks as validation  # noqa: E402
-from titan_upipe.torchtitan_0_2 import parallelize
+from titan_upipe.torchtitan_0_2 import (
+    checks,  # noqa: E402
+    parallelize,
+)
+from titan_upipe.torchtitan_0_2.checks import training as training_checks  # noqa: E402
 from titan_upipe.torchtitan_0_2.config_parse import parse_config  # noqa: E402
 from titan_upipe.torchtitan_0_2.registry import register_plugin  # noqa: E402
 
@@ -146,7 +149,8 @@ def measure(label: str, converter: str, cp: int, ulysses: int, setting: str, seq
 
 
 def part_measure(args) -> None:
-    validation.check_activation_checkpointing = lambda job_config: None  # measure what is refused too
+    # measure what is refused too
+    checks.JOB_CHECKS = tuple(c for c in checks.JOB_CHECKS if c is not training_checks.check_activation_checkpointing)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, seq_len {args.seq_len} (CP 4; FSDP only: "
           f"{args.seq_len // 4}), batch 2, {args.layers} blocks, bf16, Llama3 debug flavor", flush=True)
     print("| case | AC | measured B | predicted B | error | peak phase |", flush=True)

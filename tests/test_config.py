@@ -75,3 +75,18 @@ def test_bad_value_from_cli_names_key_and_choices(capsys):
     assert message.startswith("invalid upipe.attention_backend = 'flash_magic': valid values are ")
     assert all(name in message for name in ATTENTION_BACKENDS)
     assert capsys.readouterr().err == ""
+
+
+def test_the_plugins_fields_of_a_merged_section_have_their_defaults_stated_once():
+    """``plugin_fields``: a section's own values where it has the plugin's fields (merged into
+    TorchTitan's class), the dataclass defaults where a config came without the plugin's module."""
+    from types import SimpleNamespace
+
+    from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
+
+    merged = SimpleNamespace(mode="full", cpu_offload=True, pin_memory="no", resident_blocks=2,
+                             prefetch_after_attention=False)
+    offload = plugin_fields(merged, ActivationCheckpointOffload)
+    assert (offload.cpu_offload, offload.pin_memory, offload.resident_blocks) == (True, "no", 2)  # as given
+    assert plugin_fields(SimpleNamespace(mode="full"), ActivationCheckpointOffload) == ActivationCheckpointOffload()
+    assert plugin_fields(SimpleNamespace(name="AdamW"), OptimizerHostState).state_on_host is False

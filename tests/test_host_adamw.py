@@ -276,17 +276,17 @@ def test_spec_builds_host_state_adamw_only_with_the_switch():
     (("--fault_tolerance.enable",), r"^optimizer.state_on_host = true does not support fault_tolerance.enable"),
 ])
 def test_settings_it_does_not_run_are_refused(overrides, message):
-    from titan_upipe.torchtitan_0_2.checks import check_optimizer
+    from titan_upipe.torchtitan_0_2.checks.training import check_optimizer
     from titan_upipe.torchtitan_0_2.config import ConfigError
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     job = parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host",
                         *overrides])
     with pytest.raises(ConfigError, match=message):
-        check_optimizer(job)
+        check_optimizer(job, 1)
     job.optimizer.state_on_host = "yes"
     with pytest.raises(ConfigError, match=r"^invalid optimizer.state_on_host = 'yes': valid values are true, false$"):
-        check_optimizer(job)
+        check_optimizer(job, 1)
 
 
 # ---- the planner

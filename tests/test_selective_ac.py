@@ -21,7 +21,8 @@ from trainer_utils import REPO
 from titan_upipe.tools import preflight as validate
 from titan_upipe.torchtitan_0_2 import launch as train
 from titan_upipe.torchtitan_0_2 import parallelize
-from titan_upipe.torchtitan_0_2.checks import check_activation_checkpointing, check_job
+from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.checks.training import check_activation_checkpointing
 from titan_upipe.torchtitan_0_2.config import ConfigError
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
@@ -55,7 +56,7 @@ def test_selective_layer_ac_with_a_cp_converter_is_refused_with_its_cost_and_fix
                                                                                   figures):
     job = with_ac(upipe_job, "selective", option, [converter, "fused_ce"])
     with pytest.raises(ConfigError) as err:
-        check_activation_checkpointing(job)
+        check_activation_checkpointing(job, 1)
     message = str(err.value)
     assert f'selective_ac_option = "{option}"' in message and f"one block in {option}" in message
     assert f"too many for {converter} at long contexts (Llama3-8B, 1M tokens, {figures}" in message
@@ -78,7 +79,7 @@ def test_selective_layer_ac_with_a_cp_converter_is_refused_with_its_cost_and_fix
     ],
 )
 def test_other_settings_pass(upipe_job, mode, option, converters):
-    check_activation_checkpointing(with_ac(upipe_job, mode, option, converters))
+    check_activation_checkpointing(with_ac(upipe_job, mode, option, converters), 1)
 
 
 def test_op_level_ac_passes_the_whole_job_and_reaches_torchtitan_without_a_save_list(upipe_job, monkeypatch):
@@ -98,7 +99,7 @@ def test_op_level_ac_passes_the_whole_job_and_reaches_torchtitan_without_a_save_
 
 def test_invalid_selective_option_is_refused_for_every_job(upipe_job):
     with pytest.raises(ConfigError, match=r"selective_ac_option = 'every2' is invalid: valid values are \"op\" or"):
-        check_activation_checkpointing(with_ac(upipe_job, "selective", "every2", []))
+        check_activation_checkpointing(with_ac(upipe_job, "selective", "every2", []), 1)
 
 
 def test_a_cp_toml_without_the_section_stops_before_launch_and_validate_reports_it(tmp_path, monkeypatch, capsys):

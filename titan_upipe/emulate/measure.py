@@ -33,6 +33,10 @@ from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.parallel.mesh import ulysses_part
 from titan_upipe.tools.memory_tracker import storage_bytes
 from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.config import (
+    ActivationCheckpointOffload,
+    plugin_fields,
+)
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.tsp.modules import TSPAttention
 
@@ -192,7 +196,8 @@ def _step_measurement(job_config, world_size: int, rank: TrainingRank, device: t
         n_layers=rank.n_layers, n_layers_full=rank.n_layers_full, documents=rank.documents, fake=fake,
         rank=dist.get_rank(),
         device=str(device), param_dtype=_dtype_name(param_dtype),
-        activation_checkpoint=ac.mode + (" + cpu offload" if getattr(ac, "cpu_offload", False) else ""),
+        activation_checkpoint=ac.mode + (" + cpu offload" if plugin_fields(ac, ActivationCheckpointOffload).cpu_offload
+                                         else ""),
         steps=steps, param_bytes=state.param_bytes, grad_bytes=state.grad_bytes,
         optimizer_bytes=state.optimizer_bytes, buffer_bytes=state.buffer_bytes,
         state_bytes=state.param_bytes + state.grad_bytes + state.optimizer_bytes,

@@ -9,6 +9,11 @@ from titan_upipe.plan.dims import model_dims_from_args
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.step import plan
+from titan_upipe.torchtitan_0_2.config import (
+    ActivationCheckpointOffload,
+    OptimizerHostState,
+    plugin_fields,
+)
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 
 PLAN_AUTO_BACKEND = "flash_attn4"
@@ -38,11 +43,12 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         device = "cpu" if param_dtype == "float32" else "cuda"
     transforms = job_config.transforms
     ac = job_config.activation_checkpoint
+    offload = plugin_fields(ac, ActivationCheckpointOffload)
     backend = transforms.ce_backend
     if backend == "auto":
         backend = "liger" if device == "cuda" else "torch"
     ac_mode = ac.mode
-    option = str(getattr(ac, "selective_ac_option", "")).strip()
+    option = str(ac.selective_ac_option).strip()
     if ac_mode == "selective" and (option == "op" or option.isdigit() and int(option) <= 1):
         # op-level AC without a save list (the plugin's parallelize passes none) or every block
         # checkpointed: full AC, measured to the byte (docs/benchmarks/selective_ac.md)
@@ -61,11 +67,10 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
         ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=backend, ac_mode=ac_mode,
         attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
-        cpu_offload=bool(getattr(ac, "cpu_offload", False)), pin_memory=bool(getattr(ac, "pin_memory", True)),
-        prefetch_after_attention=bool(getattr(ac, "prefetch_after_attention", False)),
-        resident_blocks=int(getattr(ac, "resident_blocks", 0)),
+        cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
+        prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
         device=device, documents=packs_documents(model_args),
-        optimizer_state_on_host=bool(getattr(job_config.optimizer, "state_on_host", False)),
+        optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
     )
 
 

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job_config import plan_from_job_config
-from titan_upipe.torchtitan_0_2 import checks as validation
-from titan_upipe.torchtitan_0_2 import job_assets
+from titan_upipe.torchtitan_0_2 import checks, job_assets
+from titan_upipe.torchtitan_0_2.config import (
+    ActivationCheckpointOffload,
+    plugin_fields,
+)
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
@@ -59,14 +62,14 @@ class LayoutSummary:
 
 def _world_size_from_config(parallelism) -> int | None:
     shard = parallelism.data_parallel_shard_degree
-    return None if shard == -1 else shard * validation.degrees_besides_shard(parallelism)
+    return None if shard == -1 else shard * checks.degrees_besides_shard(parallelism)
 
 
 def find_problems(job_config, world_size: int) -> list[str]:
     """Every problem the job-level checks find (not only the first), each once (a check that reads
     the layout or the flavor meets their problems again)."""
     problems: list[str] = []
-    for check in validation.JOB_CHECKS:
+    for check in checks.JOB_CHECKS:
         try:
             check(job_config, world_size)
         except ConfigError as err:
@@ -115,7 +118,7 @@ def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
 
 
 def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None, source: str) -> str | None:
-    if host_mem_bytes is None or not getattr(job_config.activation_checkpoint, "cpu_offload", False) and (
+    if host_mem_bytes is None or not plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload).cpu_offload and (
             not job_config.checkpoint.enable or job_config.checkpoint.async_mode == "disabled"):
         return None
     try:
@@ -131,9 +134,9 @@ def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None,
 
 
 def summarize(job_config, world_size: int) -> LayoutSummary:
-    """The resolved layout of a job the checks accepted (``validation.cp_layout``)."""
-    n_heads, n_kv_heads = validation.model_heads(job_config)
-    layout = validation.cp_layout(job_config)
+    """The resolved layout of a job the checks accepted (``checks.cp_layout``)."""
+    n_heads, n_kv_heads = checks.model_heads(job_config)
+    layout = checks.cp_layout(job_config)
     mode = None if layout.mode is None else layout.mode.value
     return LayoutSummary(
         model=job_config.model.name, flavor=job_config.model.flavor, world_size=world_size,
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if world_size is None:
         parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
     problems = find_problems(job_config, world_size)
-    warnings = validation.config_warnings(job_config)
+    warnings = checks.config_warnings(job_config)
     if not args.no_assets:
         problems += asset_problems(job_config)
         host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None

@@ -11,7 +11,8 @@ the valid choices: a bad value fails before any process group starts.
 # No `from __future__ import annotations`: TorchTitan merges these fields by their
 # runtime types, which must be classes, not strings.
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TypeVar
 
 from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
 from titan_upipe.errors import ConfigError, with_suggestion
@@ -180,6 +181,24 @@ class LocalData:
                  "local_data.paths", self.paths, "a list of glob patterns, e.g. [\"/data/books/*.jsonl\"]")
         _require(isinstance(self.text_key, str) and bool(self.text_key), "local_data.text_key", self.text_key,
                  "a non-empty key name")
+
+
+T = TypeVar("T")
+
+
+def plugin_fields(section: object, fields_class: type[T]) -> T:
+    """The plugin's fields of a TorchTitan section as ``fields_class`` (``ActivationCheckpointOffload``,
+    ``OptimizerHostState``, ``Transforms``): TorchTitan merges same-named sections field by field,
+    so ``[activation_checkpoint]`` and ``[optimizer]`` keep TorchTitan's class, and a config parsed
+    without this module (``-m torchtitan.train`` with ``custom_import`` alone) has none of them.
+    The section's values where it has them, else the defaults stated once, in the dataclass
+    (values are taken as they are: the job checks say what is wrong with one)."""
+    values = {f.name: getattr(section, f.name) for f in fields(fields_class) if hasattr(section, f.name)}
+    instance = object.__new__(fields_class)
+    for f in fields(fields_class):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        object.__setattr__(instance, f.name, values.get(f.name, default))
+    return instance
 
 
 @dataclass

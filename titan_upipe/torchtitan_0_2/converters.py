@@ -29,7 +29,10 @@ from titan_upipe.parallel import layout_for, layout_rank
 from titan_upipe.parallel.cp_layout import CPMode
 from titan_upipe.parallel.mesh import layout_mesh
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype, cp_layout
-from titan_upipe.torchtitan_0_2.config import Transforms
+from titan_upipe.torchtitan_0_2.config import (
+    Transforms,
+    plugin_fields,
+)
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
@@ -139,7 +142,7 @@ class TSPConverter(_ContextParallelAttentionConverter):
 
 class _TransformConverter:
     def __init__(self, job_config, parallel_dims) -> None:
-        self.settings = getattr(job_config, "transforms", None) or Transforms()
+        self.settings = plugin_fields(getattr(job_config, "transforms", None), Transforms)
 
     def post_optimizer_hook(self, model) -> None:
         pass

@@ -9,6 +9,10 @@ from torchtitan.components.optimizer import build_optimizers as titan_build_opti
 from torchtitan.tools.logging import logger
 
 from titan_upipe.optim.host_adamw import HostStateAdamW
+from titan_upipe.torchtitan_0_2.config import (
+    OptimizerHostState,
+    plugin_fields,
+)
 
 
 def optimizer_kwargs(optimizer_config) -> dict:
@@ -20,7 +24,7 @@ def optimizer_kwargs(optimizer_config) -> dict:
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None) -> OptimizersContainer:
-    if not getattr(optimizer_config, "state_on_host", False):
+    if not plugin_fields(optimizer_config, OptimizerHostState).state_on_host:
         return titan_build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     # titan_upipe.torchtitan_0_2.checks.check_optimizer refused the settings this does not run (name, early
     # step in backward, TorchFT) before any process group started

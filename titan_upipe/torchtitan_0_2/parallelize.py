@@ -29,7 +29,11 @@ from torchtitan.tools.logging import logger
 from titan_upipe.torchtitan_0_2 import cpu_runtime
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.compile_parts import compile_parts, needs_part_compile
-from titan_upipe.torchtitan_0_2.config import ConfigError
+from titan_upipe.torchtitan_0_2.config import (
+    ActivationCheckpointOffload,
+    ConfigError,
+    plugin_fields,
+)
 from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.tsp.modules import tsp_sharded_parameters
 
@@ -39,10 +43,11 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
 
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     ac_config = job_config.activation_checkpoint
-    if getattr(ac_config, "cpu_offload", False):  # mode "full", checked by check_job
+    offload = plugin_fields(ac_config, ActivationCheckpointOffload)
+    if offload.cpu_offload:  # mode "full", checked by check_job
         apply_offloaded_ac(model, pin_memory=ac_config.pin_memory,
-                           prefetch_after_attention=getattr(ac_config, "prefetch_after_attention", False),
-                           resident_blocks=getattr(ac_config, "resident_blocks", 0))
+                           prefetch_after_attention=offload.prefetch_after_attention,
+                           resident_blocks=offload.resident_blocks)
         logger.info("Applied full activation checkpointing with block inputs offloaded to host memory")
     elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,

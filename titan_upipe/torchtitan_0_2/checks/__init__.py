@@ -1,0 +1,73 @@
+"""Job-level checks that run before any process group starts, by config section.
+
+Every check has one signature, ``check(job_config, world_size) -> None``, and raises a
+:class:`~titan_upipe.errors.ConfigError` naming the setting, the valid choices and the fix.
+``titan_upipe.train`` runs :func:`check_job` right after parsing the config; ``parallelize_fn``
+runs it again so that launches through ``torchtitan.train`` are covered too (there after
+process-group start, still before any collective of ours); ``python -m titan_upipe.validate``
+runs the same ``JOB_CHECKS`` to report every problem. The context-parallel settings are read
+once, into the job's one :class:`~titan_upipe.parallel.cp_layout.CPLayout` (:func:`cp_layout`).
+
+===============  ===========================================================================
+module           sections
+===============  ===========================================================================
+parallelism      ``[parallelism]`` degrees and world size; ``[upipe]``/``[tsp]`` layout: ``cp_layout``
+model            ``[model]`` converters and the flavor's masks, ``[transforms]``, ``[compile]``,
+                 the kernel of ``[upipe] attention_backend``
+training         ``[training]``, ``[validation]``, ``[activation_checkpoint]``, ``[optimizer]``
+===============  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from titan_upipe.torchtitan_0_2.checks import model, parallelism, training
+from titan_upipe.torchtitan_0_2.checks.model import (
+    PLUGIN_IMPORT,
+    attention_backend_choice,
+    compute_dtype,
+    config_warnings,
+)
+from titan_upipe.torchtitan_0_2.checks.parallelism import (
+    cp_layout,
+    data_parallel_degree,
+    degrees_besides_shard,
+    model_heads,
+    world_size_problem,
+)
+
+JobCheck = Callable[[Any, int], None]
+"""``check(job_config, world_size)``: raises ConfigError, else returns None."""
+
+JOB_CHECKS: tuple[JobCheck, ...] = (
+    parallelism.check_parallel_degrees,
+    parallelism.check_supported_parallelism,
+    parallelism.check_world_size,
+    training.check_training,
+    model.check_converter_names,
+    parallelism.check_context_parallel,
+    model.check_attention_backend,
+    parallelism.check_tsp,
+    model.check_document_masking,
+    model.check_transforms,
+    training.check_offload,
+    training.check_validation,
+    model.check_compile,
+    training.check_activation_checkpointing,
+    training.check_optimizer,
+)
+"""Every job-level check, in the order a launch meets them: ``check_job`` stops at the first
+problem, ``titan_upipe.validate`` reports them all."""
+
+
+def check_job(job_config, world_size: int) -> None:
+    """All checks; raises the first problem found."""
+    for check in JOB_CHECKS:
+        check(job_config, world_size)
+
+
+__all__ = ["JOB_CHECKS", "PLUGIN_IMPORT", "JobCheck", "attention_backend_choice", "check_job", "compute_dtype",
+           "config_warnings", "cp_layout", "data_parallel_degree", "degrees_besides_shard", "model_heads",
+           "world_size_problem"]
