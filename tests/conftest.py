@@ -58,3 +58,68 @@ def upipe_text_job(text_job_assets, tmp_path_factory):
     torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", out, *text_job_overrides(text_job_assets),
              "--training.local_batch_size", "2", "--upipe.attention_backend", "auto")
     return out
+
+
+# ---- test tiers: `pytest -m unit` (in-process), `-m dist` (gloo rank pools), `-m e2e` (launches)
+
+TIERS = ("unit", "dist", "e2e")
+E2E_CALLS = ("torchrun(", "create_seed_checkpoint(", "torch.distributed.run", "sbatch", "srun")
+"""What an end-to-end test calls: a real launch (torchrun, SLURM scripts)."""
+DIST_CALLS = ("run_distributed(",)
+"""What a distributed test calls: jobs on the shared gloo rank pools (``dist_utils``)."""
+
+
+def _source(obj) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+_LAUNCHERS: dict[tuple[str, str], set[str]] = {}
+
+
+def _launchers(module, calls: tuple[str, ...]) -> set[str]:
+    """Names of ``module``'s functions that make one of ``calls``, directly or through another."""
+    import inspect
+
+    key = (module.__name__, calls[0])
+    if key not in _LAUNCHERS:
+        functions = {name: _source(f) for name, f in vars(module).items()
+                     if inspect.isfunction(f) and f.__module__ == module.__name__}
+        found = {name for name, text in functions.items() if any(c in text for c in calls)}
+        while True:
+            more = {name for name, text in functions.items() if name not in found
+                    and any(f"{other}(" in text or f"{other}," in text for other in found)}
+            if not more:
+                break
+            found |= more
+        _LAUNCHERS[key] = found
+    return _LAUNCHERS[key]
+
+
+def _makes(item, calls: tuple[str, ...]) -> bool:
+    """The test, or a fixture it uses, makes one of ``calls`` (directly or through its module's
+    functions: run_distributed is often a helper's)."""
+    objects = [item.function, *(d.func for name in item.fixturenames
+                                for d in item._fixtureinfo.name2fixturedefs.get(name, ()))]
+    for obj in objects:
+        text = _source(obj)
+        module = __import__(obj.__module__, fromlist=["_"])
+        names = _launchers(module, calls)
+        if any(c in text for c in calls) or any(f"{n}(" in text or f"{n}," in text for n in names):
+            return True
+    return False
+
+
+def tier_of(item) -> str:
+    if _makes(item, E2E_CALLS):
+        return "e2e"
+    return "dist" if _makes(item, DIST_CALLS) else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))

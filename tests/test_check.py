@@ -96,20 +96,20 @@ def test_parity_check_rejects_wrong_world_size(monkeypatch):
 def _check_with_shifted_positions(rank, world, mesh, config):
     """The check with a sabotaged layout: the shards' tokens come from the reversed sequence
     while their positions are right (positions alone would trip the converters' layout check)."""
-    import titan_upipe.parallel as parallel
+    import titan_upipe.parallel.inputs as inputs
     from titan_upipe.tools.parity import run_check
 
-    real = parallel.shard_sequence
+    real = inputs.shard_sequence
 
     def shifted(t, cp_mesh, seq_dim):
         return real(t.flip(seq_dim), cp_mesh, seq_dim)
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    parallel.shard_sequence = shifted
+    inputs.shard_sequence = shifted  # what CP input preparation calls
     try:
         return run_check(["--job.config_file", str(REPO / config), "--seq-len", "32"])
     finally:
-        parallel.shard_sequence = real
+        inputs.shard_sequence = real
 
 
 def test_parity_check_fails_on_a_wrong_layout():
@@ -132,15 +132,15 @@ def _check_documents(rank, world, mesh, overrides, drop_mask):
     (plain causal attention across the EOS tokens), which the per-document reference must catch."""
     import titan_upipe.tools.parity as check
 
-    real = check.document_attention_masks
+    real = check.prepare_cp_batch
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    if drop_mask:
-        check.document_attention_masks = lambda *args, **kwargs: None
+    if drop_mask:  # the batch prepared without its documents
+        check.prepare_cp_batch = lambda *args, eos_id, **kwargs: real(*args, eos_id=None, **kwargs)
     try:
         return check.run_check(["--job.config_file", str(REPO / DOCS_CONFIG), "--seq-len", "48", "--batch", "2",
                                 *overrides])
     finally:
-        check.document_attention_masks = real
+        check.prepare_cp_batch = real
 
 
 def test_parity_check_with_packed_documents():
@@ -151,7 +151,7 @@ def test_parity_check_with_packed_documents():
 
 
 def test_packed_document_tokens_and_runs():
-    from titan_upipe.torchtitan_0_2.cp_inputs import document_runs, packed_document_tokens
+    from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
 
     tokens = packed_document_tokens(torch.zeros(2, 12, dtype=torch.long), eos_id=9)
     # EOS at 0, S/3 + b, S/3 + b + 1, 2S/3 + 1 - b: each ends its document
@@ -165,18 +165,18 @@ TSP_CONFIG = "configs/debug/tsp.toml"  # llama3 debug_kv4 (8 / 4 heads), tsp ove
 def _check_tsp(rank, world, mesh, overrides, flip_tokens):
     """The check of ``tsp`` on ``world`` ranks; ``flip_tokens``: the shards' tokens come from the
     reversed sequence (their positions right), which the check must catch."""
-    import titan_upipe.parallel as parallel
+    import titan_upipe.parallel.inputs as inputs
     from titan_upipe.tools.parity import run_check
 
-    real = parallel.shard_sequence
+    real = inputs.shard_sequence
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if flip_tokens:
-        parallel.shard_sequence = lambda t, cp_mesh, seq_dim: real(t.flip(seq_dim), cp_mesh, seq_dim)
+        inputs.shard_sequence = lambda t, cp_mesh, seq_dim: real(t.flip(seq_dim), cp_mesh, seq_dim)
     try:
         return run_check(["--job.config_file", str(REPO / TSP_CONFIG), "--seq-len", "32",
                           "--parallelism.context_parallel_degree", str(world), *overrides])
     finally:
-        parallel.shard_sequence = real
+        inputs.shard_sequence = real
 
 
 def test_parity_check_tsp():

@@ -82,7 +82,11 @@ def test_the_plugins_fields_of_a_merged_section_have_their_defaults_stated_once(
     TorchTitan's class), the dataclass defaults where a config came without the plugin's module."""
     from types import SimpleNamespace
 
-    from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
+    from titan_upipe.torchtitan_0_2.config import (
+        ActivationCheckpointOffload,
+        OptimizerHostState,
+        plugin_fields,
+    )
 
     merged = SimpleNamespace(mode="full", cpu_offload=True, pin_memory="no", resident_blocks=2,
                              prefetch_after_attention=False)

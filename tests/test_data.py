@@ -106,8 +106,8 @@ def test_docs_loss_depends_on_the_document_mask():
     import torch.nn.functional as F
     from torchtitan.models.llama3.model.model import Transformer
 
+    from titan_upipe.tools.packed_documents import document_runs
     from titan_upipe.tools.parity import reference_prediction
-    from titan_upipe.torchtitan_0_2.cp_inputs import document_runs
     from titan_upipe.torchtitan_0_2.flavors import model_flavors
 
     args = copy.deepcopy(model_flavors("upipe_llama3")["debug"])

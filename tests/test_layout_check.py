@@ -5,7 +5,7 @@ import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel import shard_sequence
-from titan_upipe.torchtitan_0_2.converters import _LayoutCheck
+from titan_upipe.parallel.inputs import LayoutCheck
 
 
 class RingMesh:
@@ -23,7 +23,7 @@ class RingMesh:
 
 def test_every_forward_is_checked_not_only_the_first():
     mesh = RingMesh()
-    check = _LayoutCheck(mesh)
+    check = LayoutCheck(mesh)
     tokens = torch.zeros(1, 8, dtype=torch.long)
     _, zigzag = shard_sequence(torch.arange(16)[None], mesh, seq_dim=1)
     assert zigzag.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2 of 4

@@ -1,18 +1,19 @@
 """titan_upipe: UPipe context parallelism and long-context memory transforms for TorchTitan 0.2.2.
 
-Three layers, imports pointing down only (docs/architecture.md):
+Three layers, one folder each at least, imports pointing down only (docs/architecture.md,
+enforced by tests/test_layers.py):
 
 ==============  ===========================================================================
-layer           modules
+layer           folders (and the root's modules)
 ==============  ===========================================================================
-core            ``errors``, ``parallel`` (CP layout, sequence layouts, meshes), ``attention``
-                (Ulysses, UPipe, ring, USP, kernels), ``transforms`` (tiling, fused RoPE/CE,
-                offload), ``memory_tracker``: torch and TorchTitan's model classes only
-TorchTitan      ``config``, ``flavors``, ``validation`` (job checks), ``loss``, ``metrics``,
-glue            ``parallelize``, ``specs``, ``converters``, ``trainer``, ``cpu_runtime``,
-                ``data``, ``registry`` (``register_plugin``), ``plugin``, ``train``
-tools           ``validate``, ``check``, ``plan``, ``emulate``, ``gpu_suite`` (+ ``gpu_kernels``,
-                ``gpu_wheels``), ``paper_tables``
+core            ``parallel`` (CP layout, sequence layouts, meshes, CP input preparation),
+                ``attention``, ``tsp``, ``transforms``, ``optim``, ``costs`` (analytic models),
+                ``contracts`` (kernel contract harnesses), ``resources`` (package data),
+                ``errors``: torch and TorchTitan's model classes only
+glue            ``torchtitan_0_2`` (everything that speaks TorchTitan 0.2.2's API), ``data``;
+                ``plugin`` and ``config`` (TorchTitan's ``custom_import`` / ``custom_config_module``)
+tools           ``tools``, ``plan``, ``emulate``; the ``-m`` shims ``train``, ``validate``,
+                ``check``, ``gpu_suite``
 ==============  ===========================================================================
 
 Importing the package or any module has no side effects. Registration with TorchTitan is

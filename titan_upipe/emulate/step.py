@@ -14,16 +14,16 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
 from titan_upipe.emulate.rank import TrainingRank
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel import shard_sequence
+from titan_upipe.parallel.inputs import prepare_cp_batch
 from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
-from titan_upipe.torchtitan_0_2.cp_inputs import document_attention_masks, packed_document_tokens
+from titan_upipe.tools.packed_documents import packed_document_tokens
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
@@ -184,9 +184,9 @@ class _Batch:
     extra: dict[str, torch.Tensor]
     """Extra model inputs: the shard's ``positions`` under CP."""
     label_positions: torch.Tensor | None = None
-    """The positions ``shard_sequence`` returns again with the labels: unused, but the measured
-    step has always held them to its end (8 bytes per local token), so they stay for byte
-    counts comparable with earlier reports; the trainer drops them at once."""
+    """A second copy of the positions (``shard_sequence`` returned them again with the labels, and the
+    measured step has always held them to its end: 8 bytes per local token), kept so that byte
+    counts stay comparable with earlier reports; the trainer holds none."""
 
 
 def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: int, cp_mesh) -> _Batch:
@@ -196,7 +196,7 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
     generator = torch.Generator(device=device).manual_seed(job_config.debug.seed + step)
     inputs = torch.randint(0, rank.vocab_size, (batch, seq), device=device, generator=generator)
     labels = torch.randint(0, rank.vocab_size, (batch, seq), device=device, generator=generator)
-    masks = None
+    eos_id = None
     if rank.documents:
         if cp_mesh is None:
             raise ConfigError("the emulator runs attn_mask_type 'block_causal' through a CP converter only "
@@ -204,14 +204,10 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
         # Packed documents (the check's EOS pattern), their mask built as the trainer builds it.
         eos_id = rank.vocab_size - 1
         inputs = packed_document_tokens(inputs.clamp(max=eos_id - 1), eos_id)
-        masks = document_attention_masks(inputs, SimpleNamespace(attn_mask_type="block_causal"),
-                                         SimpleNamespace(eos_id=eos_id))
     if cp_mesh is None:
         return _Batch(inputs, labels, inputs, labels, {})
-    local_inputs, positions = shard_sequence(inputs, cp_mesh, seq_dim=1)
-    local_labels, label_positions = shard_sequence(labels, cp_mesh, seq_dim=1)
-    extra = {"positions": positions} if masks is None else {"positions": positions, "attention_masks": masks}
-    return _Batch(inputs, labels, local_inputs, local_labels, extra, label_positions)
+    batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
+    return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs(), batch.positions.clone())
 
 
 def _forward_loss(rank: TrainingRank, batch: _Batch, global_tokens: float, blocks: BlockMemory) -> torch.Tensor:

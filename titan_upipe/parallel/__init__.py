@@ -6,8 +6,11 @@ module         holds
 cp_layout      ``CPMode``, ``CPLayout``: a job's mode, CP / ring / Ulysses degrees, U and
                sequence divisor, validated once; the pure degree and head arithmetic
 layout         ``ContiguousLayout``, ``ZigzagLayout``: token <-> (rank, index) maps
-mesh           the CP meshes (1-D, 1-D "ring", 2-D ("ring", "ulysses")) and their degrees
+mesh           the CP meshes (1-D, 1-D "ring", 2-D ("ring", "ulysses")) and their degrees;
+               ``layout_mesh``: a job's, from its ``CPLayout``
 sequence       ``shard_sequence`` / ``gather_sequence`` on a mesh, in its layout
+inputs         ``prepare_cp_batch``: a rank's batch for the converted attention (tokens, labels,
+               positions, documents, valid tokens); ``LayoutCheck`` at every forward
 ============== ==========================================================================
 """
 

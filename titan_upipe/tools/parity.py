@@ -12,7 +12,7 @@ are summed and their logits gathered, and rank 0 prints the max relative error
 Exit code 1 when one exceeds the tolerance. With a ``block_causal`` flavor the batch holds packed
 documents (EOS tokens: a 1-token document first, documents across the shard boundaries, a
 different split per row), the parallel model gets the trainer's document mask
-(``cp_inputs.document_attention_masks``), and the reference is TorchTitan's model with its
+(``parallel.inputs.prepare_cp_batch``), and the reference is TorchTitan's model with its
 ``sdpa`` (causal) attention run on each document alone at its global positions, concatenated:
 block-causal attention by definition, none of the plugin's mask code. FSDP and activation checkpointing are not
 applied (they do not change the math; the end-to-end tests cover them); every rank holds
@@ -25,27 +25,22 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import ParallelDims
 
-# The package, not its functions: ``shard_sequence`` is looked up at call time, so a test can
-# substitute a sabotaged layout and see the check fail.
-from titan_upipe import parallel as sequence_layouts
 from titan_upipe.attention import sequence_mesh
 from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
+from titan_upipe.parallel import gather_sequence
+from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
-from titan_upipe.torchtitan_0_2.cp_inputs import (
-    document_attention_masks,
-    document_runs,
-    packed_document_tokens,
-)
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
@@ -161,14 +156,15 @@ def reference_prediction(model, inputs: torch.Tensor, runs: list[list[tuple[int,
     return torch.cat(rows, dim=0)
 
 
-def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int, masks=None):
-    """Forward and backward of the parallel model on this rank's shard in the trainer's layout;
-    the loss and gradients summed over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
+def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int, eos_id: int | None = None):
+    """Forward and backward of the parallel model on this rank's shard, prepared as the trainer
+    prepares it (``prepare_cp_batch``; ``eos_id``: packed documents); the loss and gradients summed
+    over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
     if setup.cp > 1:
         cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
-        local_inputs, positions = sequence_layouts.shard_sequence(inputs, cp_mesh, seq_dim=1)
-        local_labels, _ = sequence_layouts.shard_sequence(labels, cp_mesh, seq_dim=1)
-        pred = model(local_inputs, attention_masks=masks, positions=positions)
+        batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
+        local_labels = batch.labels
+        pred = model(batch.tokens, **batch.model_kwargs())
     else:
         cp_mesh, local_labels = None, labels
         pred = model(inputs)
@@ -185,7 +181,7 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
                 grads[name] = grad.full_tensor()
             else:  # replicated parameters: each CP rank holds its tokens' share
                 dist.all_reduce(grad, group=group)
-        logits = sequence_layouts.gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
+        logits = gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
     else:
         logits = local_logits
     return loss_sum, logits, grads
@@ -246,11 +242,9 @@ def run_check(argv: list[str]) -> int:
         tokens = packed_document_tokens(tokens, eos_id)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     n_tokens = labels.numel()
-    masks, runs = None, None
-    if documents:
-        masks = document_attention_masks(inputs, parallel.args, SimpleNamespace(eos_id=eos_id))
-        runs = document_runs(inputs, eos_id)
-    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens, masks)
+    runs = document_runs(inputs, eos_id) if documents else None
+    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens,
+                                             eos_id if documents else None)
     failed = False
     if setup.rank == 0:
         failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads, runs)

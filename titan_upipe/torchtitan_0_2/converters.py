@@ -17,16 +17,14 @@ parameter names, and they compose in any order.
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_upipe.attention.module import convert_attention_of_blocks
-from titan_upipe.errors import ConfigError
-from titan_upipe.parallel import layout_for, layout_rank
 from titan_upipe.parallel.cp_layout import CPMode
+from titan_upipe.parallel.inputs import LayoutCheck
 from titan_upipe.parallel.mesh import layout_mesh
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype, cp_layout
 from titan_upipe.torchtitan_0_2.config import (
@@ -59,47 +57,13 @@ class _ContextParallelAttentionConverter:
             self.backend_choice.name, in_place_rope=in_place_rope, compute_dtype=self.compute_dtype)
         for block, attention in zip(blocks, converted, strict=True):
             block.attention = attention
-        model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
+        model.register_forward_pre_hook(LayoutCheck(self.cp_mesh), with_kwargs=True)
         logger.info("Converted attention to %s over a CP mesh of %d ranks (%s), %s", self.mode, self.cp_mesh.size(),
                     dict(zip(self.cp_mesh.mesh_dim_names or (), self.cp_mesh.shape, strict=True)),
                     self.backend_choice.describe())
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         pass
-
-
-class _LayoutCheck:
-    """At every forward (training and validation): the tokens must be sharded in our layout.
-
-    TorchTitan's own trainer and validator shard CP inputs head-tail (load balancing for its
-    ring attention); the Ulysses all-to-all and our zigzag ring would then join shards in the
-    wrong order and silently compute another sequence. ``titan_upipe.train`` shards in our
-    layout (contiguous or zigzag, whichever this mesh's attention expects) for both. The check
-    compares ``S/C`` positions with the layout's (one host sync per forward, not per layer).
-    """
-
-    def __init__(self, cp_mesh) -> None:
-        self.cp_mesh = cp_mesh
-        self._expected: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-    def expected_positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        key = (local_len, device)
-        if key not in self._expected:
-            layout = layout_for(self.cp_mesh, local_len * self.cp_mesh.size())
-            self._expected[key] = layout.positions(layout_rank(self.cp_mesh), device=device)
-        return self._expected[key]
-
-    def __call__(self, module, args, kwargs):
-        positions = kwargs.get("positions")
-        tokens = args[0] if args else kwargs["tokens"]
-        local_len = tokens.shape[-1]
-        expected = self.expected_positions(local_len, tokens.device)
-        if positions is None or not torch.equal(positions.reshape(-1, local_len)[0].to(expected.dtype), expected):
-            raise ConfigError(
-                "context-parallel inputs are not in titan_upipe's sequence layout: launch with "
-                "`-m titan_upipe.train` (TorchTitan's own trainer and validator shard CP inputs head-tail)"
-            )
-        return None
 
 
 class UlyssesConverter(_ContextParallelAttentionConverter):
@@ -133,7 +97,7 @@ class TSPConverter(_ContextParallelAttentionConverter):
         for block in model.layers.values():
             convert_block(block, self.cp_mesh, self.backend_choice.name, self.settings.kv_heads_per_bucket,
                           self.compute_dtype, self.settings.overlap, self.settings.mlp_recompute)
-        model.register_forward_pre_hook(_LayoutCheck(self.cp_mesh), with_kwargs=True)
+        model.register_forward_pre_hook(LayoutCheck(self.cp_mesh), with_kwargs=True)
         logger.info("Converted attention and feed-forward to TSP over %d ranks (weights sharded over them; K/V "
                     "all-gathers of %s KV heads; overlap %s), %s", self.cp_mesh.size(),
                     self.settings.kv_heads_per_bucket or "all local", "on" if self.settings.overlap else "off",

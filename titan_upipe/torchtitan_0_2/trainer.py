@@ -1,9 +1,9 @@
 """TorchTitan's ``Trainer`` with the plugin's inputs, validator and counters.
 
 * **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
-  attention's layout (``titan_upipe.torchtitan_0_2.cp_inputs.shard_batch``), not TorchTitan's head-tail one;
+  attention's layout (``titan_upipe.parallel.inputs.prepare_cp_batch``), not TorchTitan's head-tail one;
   ``attn_mask_type = "block_causal"`` adds the whole batch's documents (split after each EOS)
-  as ``attention_masks`` (``cp_inputs.document_attention_masks``), whatever the ``attn_type``.
+  as ``attention_masks`` (``cp_inputs.document_eos_id``), whatever the ``attn_type``.
 * **Validation.** ``validation.enable`` runs ``titan_upipe.torchtitan_0_2.validation_loss.LayoutValidator`` (the train
   specs' ``build_validator_fn``): the same sharding, the loss over the global token count.
 * **Counters.** A step's numbers, for ``D`` data-parallel batches of ``N_d`` valid tokens each, CP
@@ -37,8 +37,9 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
+from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.cp_inputs import (
-    document_attention_masks,
+    document_eos_id,
     global_valid_tokens,
     model_sequence_mesh,
     shard_batch,
@@ -67,8 +68,7 @@ class ContextParallelTrainer(Trainer):
             return super().post_dataloading_process(input_dict, labels)
         if getattr(self, "_cp_sequence_mesh", None) is None:
             self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
-        masks = document_attention_masks(input_dict["input"], self.model_args, self.tokenizer)
-        return shard_batch(input_dict, labels, self._cp_sequence_mesh, masks)
+        return shard_batch(input_dict, labels, self._cp_sequence_mesh, document_eos_id(self.model_args, self.tokenizer))
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)
@@ -93,7 +93,7 @@ class ContextParallelTrainer(Trainer):
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
         # N_d: this rank's data-parallel batch, whole (counted before CP sharding).
-        batch_valid = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
+        batch_valid = torch.stack([valid_tokens(labels, IGNORE_INDEX) for _, labels in microbatches]).sum()
         batch_valid = batch_valid.to(self.device)
         batch_mesh = self.parallel_dims.get_optional_mesh("batch")
         global_valid = global_valid_tokens(batch_valid, batch_mesh)

@@ -2,7 +2,7 @@
 
 For ``K = validation.steps`` batches of ``D`` data-parallel ranks, CP rank ``c`` of batch ``d``
 holding the loss sum ``L_{k,d,c}`` of its ``1/C`` of the tokens (sharded like training,
-``cp_inputs.shard_batch``, with the same ``block_causal`` documents) and ``N_{k,d}`` the valid
+``parallel.inputs.prepare_cp_batch``, with the same ``block_causal`` documents) and ``N_{k,d}`` the valid
 tokens of batch ``d`` (counted whole, before sharding)::
 
     validation loss = (1/K) Σ_k  Σ_{d,c} L_{k,d,c} / Σ_d N_{k,d}
@@ -29,8 +29,9 @@ from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.cp_inputs import (
-    document_attention_masks,
+    document_eos_id,
     global_valid_tokens,
     model_sequence_mesh,
     shard_batch,
@@ -65,8 +66,8 @@ class LayoutValidator(BaseValidator):
 
     def _split(self, input_dict, labels, model_parts: list[nn.Module]):
         if self.parallel_dims.cp_enabled:
-            masks = document_attention_masks(input_dict["input"], model_parts[0].model_args, self.tokenizer)
-            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), masks)
+            eos_id = document_eos_id(model_parts[0].model_args, self.tokenizer)
+            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), eos_id)
         # Without CP, TorchTitan's own split (it also builds flex/varlen masks where a model has them).
         return Validator.post_dataloading_process(self, input_dict, labels, model_parts)
 
@@ -83,7 +84,7 @@ class LayoutValidator(BaseValidator):
             tokens += labels.numel()
             input_dict = {k: v.to(device) for k, v in input_dict.items()}
             labels = labels.to(device)
-            batch_valid = (labels != IGNORE_INDEX).sum()
+            batch_valid = valid_tokens(labels, IGNORE_INDEX)
             global_valid = global_valid_tokens(batch_valid, batch_mesh)
             inputs, labels, extra_inputs, extra_kwargs = self._split(input_dict, labels, model_parts)
             with self.validation_context(), self.maybe_enable_amp:
