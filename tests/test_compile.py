@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_transforms import _OneRankMesh, llama3, qwen3, rel_err
+from fake_meshes import OneRankMesh
+from test_transforms import llama3, qwen3, rel_err
 from torch import nn
 from trainer_utils import E2E_STEPS, assert_losses_close, load_seed, losses, torchrun
 
@@ -39,7 +40,7 @@ class RecordingBackend:
 def converted(family: str, mode: str, *transforms: str) -> nn.Module:
     model = {"llama3": llama3, "qwen3": qwen3}[family]()
     for block in model.layers.values():
-        block.attention = convert_attention(block.attention, mode, _OneRankMesh(), backend="sdpa")
+        block.attention = convert_attention(block.attention, mode, OneRankMesh(), backend="sdpa")
     if "tiled_mlp" in transforms:
         tile_feed_forwards(model, 16)
     if "fused_ce" in transforms:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fake_meshes import OneRankMesh
 from torch.nn.attention.flex_attention import and_masks, create_mask
 from torchtitan.models.attention import get_causal_mask_mod, get_document_mask_mod
 
@@ -19,21 +20,6 @@ from titan_upipe.torchtitan_0_2.cp_inputs import document_eos_id
 EOS = vocab.EOS_ID
 
 
-class _OneRankMesh:
-    """A 1-rank, 1-D CP mesh: the shards are the whole batch."""
-
-    ndim, mesh_dim_names, shape = 1, ("cp",), (1,)
-
-    def size(self, dim=None):
-        return 1
-
-    def get_local_rank(self, dim=None):
-        return 0
-
-    def get_group(self, dim=None):
-        return None
-
-
 def _args(mask_type: str) -> SimpleNamespace:
     return SimpleNamespace(attn_type="flex", attn_mask_type=mask_type)
 
@@ -42,7 +28,7 @@ def test_block_causal_documents_are_torchtitans():
     tokens = torch.stack([torch.from_numpy(docs_sample(i, 256)[:-1]) for i in range(3)])
     tokens[2, -1] = EOS  # an EOS at the last position closes the row's last document
     eos_id = document_eos_id(_args("block_causal"), SimpleNamespace(eos_id=EOS))
-    mask = prepare_cp_batch(tokens, tokens, _OneRankMesh(), eos_id=eos_id, ignore_index=-100).attention_masks
+    mask = prepare_cp_batch(tokens, tokens, OneRankMesh(), eos_id=eos_id, ignore_index=-100).attention_masks
     positions = torch.arange(tokens.shape[1])
     theirs = create_mask(and_masks(get_causal_mask_mod(), get_document_mask_mod(tokens, EOS)), 3, None, 256, 256,
                          device="cpu")[:, 0]
@@ -64,7 +50,7 @@ def test_a_prepared_batch_counts_the_whole_batchs_valid_tokens_and_keeps_its_sha
     tokens = torch.arange(16).reshape(2, 8)
     labels = tokens.clone()
     labels[0, :3] = -100
-    batch = prepare_cp_batch(tokens, labels, _OneRankMesh(), eos_id=None, ignore_index=-100)
+    batch = prepare_cp_batch(tokens, labels, OneRankMesh(), eos_id=None, ignore_index=-100)
     assert batch.valid_tokens.item() == 13 and batch.attention_masks is None
     assert torch.equal(batch.tokens, tokens) and torch.equal(batch.positions, torch.arange(8))
     assert set(batch.model_kwargs()) == {"positions"}

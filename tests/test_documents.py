@@ -9,7 +9,6 @@ from titan_upipe.attention.documents import (
     DocumentMask,
     masked_backward,
     masked_forward,
-    merge_partial_masked,
     segmented_causal_backward,
     segmented_causal_forward,
 )
@@ -215,21 +214,33 @@ def test_masked_kernel_equals_explicit_softmax_with_empty_rows(hq, hkv):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def test_merge_partial_masked_keeps_empty_rows_empty():
+def test_merge_partial_keeps_empty_rows_empty_and_others_bit_for_bit():
+    """A row that sees no key in either block stays out = 0, lse = -inf (the plain formula gives
+    NaN there: exp(-inf - -inf)); every other row is the plain formula's arithmetic, bit for bit."""
     out_acc, lse_acc = torch.zeros(1, 1, 2, 3), torch.full((1, 1, 2), float("-inf"))
     out, lse = torch.zeros(1, 1, 2, 3), torch.tensor([[[float("-inf"), 0.5]]])
     out[0, 0, 1] = 1.0
-    ring_acc = (out_acc.clone(), lse_acc.clone())
-    merge_partial(*ring_acc, out, lse)
-    assert torch.isnan(ring_acc[0][0, 0, 0]).all()  # why the masked variant exists
-    merge_partial_masked(out_acc, lse_acc, out, lse)
+    merge_partial(out_acc, lse_acc, out, lse)
     assert (out_acc[0, 0, 0] == 0).all() and torch.isneginf(lse_acc[0, 0, 0])
     assert torch.equal(out_acc[0, 0, 1], torch.ones(3)) and lse_acc[0, 0, 1] == 0.5
+    naive = torch.zeros(1, 1, 2, 3)
+    naive_lse = torch.logaddexp(torch.full((1, 1, 2), float("-inf")), lse)
+    naive = naive * torch.exp(torch.full((1, 1, 2), float("-inf")) - naive_lse).unsqueeze(-1) + out * torch.exp(
+        lse - naive_lse).unsqueeze(-1)
+    assert torch.isnan(naive[0, 0, 0]).all()  # why the guard exists
+    gen = torch.Generator().manual_seed(0)
+    acc, acc_lse = torch.randn(2, 4, 8, 16, generator=gen), torch.randn(2, 4, 8, generator=gen) * 5
+    block, block_lse = torch.randn(2, 4, 8, 16, generator=gen).bfloat16(), torch.randn(2, 4, 8, generator=gen) * 5
+    plain_lse = torch.logaddexp(acc_lse, block_lse)
+    plain = acc * torch.exp(acc_lse - plain_lse).unsqueeze(-1) + block.float() * torch.exp(
+        block_lse - plain_lse).unsqueeze(-1)
+    merge_partial(acc, acc_lse, block, block_lse)
+    assert torch.equal(acc, plain) and torch.equal(acc_lse, plain_lse)
 
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)], ids=["mha", "gqa"])
 def test_merged_lse_backward_sums_to_the_whole(hq, hkv):
-    """Two key blocks, forward merged with merge_partial_masked, each block's backward from the
+    """Two key blocks, forward merged with merge_partial, each block's backward from the
     merged out/lse: the sum is the whole attention's gradient (what ring attention relies on)."""
     docs = DocumentMask.from_ids(torch.tensor([[0] * 3 + [1] * 9 + [2] * 4, [0] * 16]))
     q_pos = ZIG.positions(0)                       # ring-local queries 0..3, 12..15
@@ -240,7 +251,7 @@ def test_merged_lse_backward_sums_to_the_whole(hq, hkv):
     out_acc = torch.zeros(q.shape)
     lse_acc = torch.full(q.shape[:3], float("-inf"))
     for (k, v), mask in zip(kvs, masks, strict=True):
-        merge_partial_masked(out_acc, lse_acc, *masked_forward(q, k, v, SCALE, mask))
+        merge_partial(out_acc, lse_acc, *masked_forward(q, k, v, SCALE, mask))
     parts = [masked_backward(dout, q, k, v, out_acc, lse_acc, SCALE, m) for (k, v), m in zip(kvs, masks, strict=True)]
     k_all, v_all = (torch.cat([kv[i] for kv in kvs], dim=2) for i in (0, 1))
     mask_all = torch.cat(masks, dim=2)

@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from fake_meshes import OneRankMesh
 from torch import nn
 
 from titan_upipe.tools.memory_tracker import LiveTensorTracker
@@ -215,21 +216,6 @@ def test_in_place_rope_equals_torchtitan_rope_bit_for_bit_in_fp32(family):
     assert torch.equal(got, want), (got - want).abs().max()
 
 
-class _OneRankMesh:
-    """A 1-rank, 1-D CP mesh (no process group needed)."""
-
-    ndim, mesh_dim_names, shape = 1, ("cp",), (1,)
-
-    def size(self, dim=None):
-        return 1
-
-    def get_local_rank(self, dim=None):
-        return 0
-
-    def get_group(self, dim=None):
-        return None
-
-
 @pytest.mark.parametrize("fused_rope_first", [True, False])
 def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused_rope_first, monkeypatch):
     """``fused_rope`` makes the CP attention rotate in place (where no gradient is recorded)
@@ -241,7 +227,7 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
     from titan_upipe.attention.backends import BackendChoice
     from titan_upipe.parallel.cp_layout import CPLayout
 
-    converter.cp_mesh = _OneRankMesh()
+    converter.cp_mesh = OneRankMesh()
     converter.layout = CPLayout(None)  # heads_per_stage 0: U = the mesh's one Ulysses rank
     converter.backend_choice, converter.compute_dtype = BackendChoice("sdpa", "sdpa"), torch.float32
     plain, fused = llama3(), llama3()

@@ -21,8 +21,6 @@ What is here (single process, no collectives):
 * ``masked_forward`` / ``masked_backward``: exact fp32 attention under an arbitrary
   ``[B, Sq, Sk]`` mask, honouring the merged out/lse contract of ``backends.py``; rows with
   no visible key give ``out = 0``, ``lse = -inf`` and zero gradient.
-* ``merge_partial_masked``: ``ring.merge_partial`` that tolerates ``-inf`` on both sides
-  (``merge_partial`` turns two ``-inf`` into NaN: ``exp(-inf - -inf)``).
 * ``segmented_causal_forward`` / ``segmented_causal_backward``: a diagonal block as causal
   attention on each document segment through a local backend (torch SDPA by default),
   exact when every document of the block is one segment (``segments_are_exact``): one varlen
@@ -275,20 +273,6 @@ def masked_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dk = torch.matmul(dscores.transpose(-1, -2), q.float().reshape(b, hkv, hq // hkv, sq, d)).sum(2) * scale
     dv = torch.matmul(probs.transpose(-1, -2), do).sum(2)
     return dq.reshape(b, hq, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def merge_partial_masked(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """``ring.merge_partial`` for blocks that may hold rows with no visible key, in place::
-
-        lse' = logaddexp(lse_acc, lse),  out' = e^(lse_acc - lse') out_acc + e^(lse - lse') out
-
-    with ``lse'`` taken as 0 inside the exponentials when both sides are ``-inf``, so such a
-    row stays ``out = 0``, ``lse = -inf`` (``merge_partial`` would give NaN there)."""
-    new_lse = torch.logaddexp(lse_acc, lse)
-    ref = _finite(new_lse)
-    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1))
-    out_acc.add_(out.float() * torch.exp(lse - ref).unsqueeze(-1))
-    lse_acc.copy_(new_lse)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ Packed documents (``documents`` = each row's document runs of global positions):
 calls come from ``ring_plan.document_step_calls`` instead, diagonal blocks through
 ``documents.segmented_causal_forward/backward`` (causal per document), earlier blocks as one
 unmasked rectangle per row, blocks with no visible key not at all; the merge tolerates rows
-that see nothing in a block (``documents.merge_partial_masked``).
+that see nothing in a block (``merge_partial``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from titan_upipe.attention.backends import LocalAttentionBackend
 from titan_upipe.attention.documents import (
     DocumentMask,
     SegmentTable,
-    merge_partial_masked,
     segmented_causal_backward,
     segmented_causal_forward,
 )
@@ -94,10 +93,18 @@ def _document_index(call: DocumentCall, slot_len: int) -> tuple[Index, Index]:
 
 
 def merge_partial(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Fold one block's normalized ``out``/``lse`` into the fp32 accumulators, in place."""
+    """Fold one block's normalized ``out``/``lse`` into the fp32 accumulators, in place::
+
+        lse' = logaddexp(lse_acc, lse),  out' = e^(lse_acc - lse') out_acc + e^(lse - lse') out
+
+    with ``lse'`` taken as 0 inside the exponentials where both sides are ``-inf`` (a row of packed
+    documents that sees no key of either block), so such a row stays ``out = 0``, ``lse = -inf``
+    instead of NaN; wherever ``lse'`` is finite (every causal row) that is the same arithmetic,
+    bit for bit."""
     new_lse = torch.logaddexp(lse_acc, lse)
-    out_acc.mul_(torch.exp(lse_acc - new_lse).unsqueeze(-1))
-    out_acc.add_(out.float() * torch.exp(lse - new_lse).unsqueeze(-1))
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1))
+    out_acc.add_(out.float() * torch.exp(lse - ref).unsqueeze(-1))
     lse_acc.copy_(new_lse)
 
 
@@ -163,8 +170,7 @@ class RingAttentionBackend(LocalAttentionBackend):
         out_acc = torch.zeros(b, h, s, d, dtype=torch.float32, device=q.device)
         lse_acc = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
         kv, kv_next = torch.stack((k, v)), None
-        # Under documents a row may see no key of a block (merge_partial would give NaN there).
-        merge = merge_partial if self.documents is None else merge_partial_masked
+
         for step in range(self.ring_size):
             exchange = None
             if step < self.ring_size - 1:
@@ -172,7 +178,7 @@ class RingAttentionBackend(LocalAttentionBackend):
                 exchange = self._exchange(kv, kv_next)
             for qi, ki, how in self._blocks(step, slot):
                 out, lse = self._kernel_forward(q[qi], kv[0][ki], kv[1][ki], scale, how)
-                merge(out_acc[qi], lse_acc[qi], out, lse)
+                merge_partial(out_acc[qi], lse_acc[qi], out, lse)
                 del out, lse
             if exchange is not None:
                 exchange.wait()

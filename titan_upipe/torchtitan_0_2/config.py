@@ -37,7 +37,9 @@ def _require_choice(value: object, key: str, choices: tuple[str, ...]) -> None:
 
 @dataclass
 class UPipe:
-    """Context-parallel attention settings read by the ``ulysses``/``upipe`` converters."""
+    """The context-parallel settings of every CP mode (``ulysses``, ``upipe``, ``ring``, ``usp``,
+    ``tsp``), named after the plugin: the local kernel and the Ulysses degree for all of them, U
+    for ``upipe`` alone (the TOML section and its keys keep that name; ``docs/config.md``)."""
 
     heads_per_stage: int = 0
     """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that
@@ -45,8 +47,9 @@ class UPipe:
 
     attention_backend: str = "auto"
     """Local attention kernel: auto (at conversion, the fastest installed one that runs the
-    training dtype and head_dim, in the order measured on that GPU (titan_upipe/resources/kernel_speed.csv), else
-    flash_attn4 > flash_attn3 > flash_attn > sdpa > cudnn; logged and written to TensorBoard), sdpa (torch's fused kernels, CPU and GPU), math (explicit fp32
+    training dtype and head_dim, in the order measured on that GPU (titan_upipe/resources/kernel_speed.csv),
+    else flash_attn4 > flash_attn3 > flash_attn > sdpa > cudnn; logged and written to TensorBoard), sdpa
+    (torch's fused kernels, CPU and GPU), math (explicit fp32
     reference, any device), cudnn (cuDNN attention through torch's own ops: GPU sm80+, cuDNN >=
     9.15.1, fp16/bf16, head_dim a multiple of 8 up to 128), flash_attn, flash_attn3, flash_attn4
     (GPU, fp16/bf16, when installed)."""
