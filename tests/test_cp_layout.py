@@ -56,7 +56,7 @@ def test_heads_per_stage_setting_is_upipe_u():
         ({"mode": "upipe", "cp_degree": 8, "heads_per_stage_setting": 12, **LLAMA3_8B_HEADS},
          r"valid values .* are 0 \(= 8\) or \[8, 16, 32\]"),
         ({"mode": "ring", "cp_degree": 4, "seq_len": 1004}, r"2 x ring x ulysses = 2 x 4 x 1 = 8"),
-        ({"mode": "ulysses", "cp_degree": 4, "seq_len": 1001}, "not divisible by parallelism.context_parallel_degree"),
+        ({"mode": "ulysses", "cp_degree": 4, "seq_len": 1001}, r"not divisible by the context-parallel degree 4 \(parallelism.context_parallel_degree\)"),
     ],
 )
 def test_every_invalid_layout_is_one_config_error_naming_the_fix(kwargs, message):

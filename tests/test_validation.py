@@ -111,7 +111,7 @@ VALIDATION_ON = ("--validation.enable", "--validation.dataset", "synthetic_copy"
     "overrides, message",
     [
         (("--validation.seq_len", "1024"), r"validation.seq_len = 1024 exceeds training.seq_len = 512"),
-        (("--validation.seq_len", "255", "--training.seq_len", "512"), r"validation.seq_len = 255 is not divisible by parallelism.context_parallel_degree = 2: use a multiple of 2"),
+        (("--validation.seq_len", "255", "--training.seq_len", "512"), r"validation.seq_len = 255 is not divisible by the context-parallel degree 2 \(parallelism.context_parallel_degree\): use a multiple of 2"),
         (("--validation.steps", "-1"), r"validation.steps = -1 reads 'synthetic_copy' until it ends.*never ends"),
         (("--validation.dataset", "local_text"), "different tokenizers"),
         (("--validation.dataset", "c4_validaton"), r"validation.dataset = 'c4_validaton' is unknown"),

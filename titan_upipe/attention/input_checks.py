@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CP_MODES
+from titan_upipe.parallel.cp_layout import CP_MODES, check_sequence_length
 
 SUPPORTED_MODES = CP_MODES
 """The context-parallel modes (``titan_upipe.parallel.cp_layout.CPMode``)."""
@@ -52,20 +52,6 @@ def check_local_inputs(x: torch.Tensor, positions: torch.Tensor | None, cp_degre
         )
 
 
-def check_sequence_split(seq_len: int, cp_degree: int) -> None:
-    if seq_len % cp_degree != 0:
-        valid = [n for n in range(seq_len - seq_len % cp_degree, seq_len + cp_degree + 1, cp_degree) if n > 0]
-        raise ConfigError(
-            f"sequence length {seq_len} is not divisible by the context-parallel degree {cp_degree}: "
-            f"use a multiple of {cp_degree} (e.g. {valid})"
-        )
-
-
 def check_ring_sequence(seq_len: int, ring: int, ulysses: int) -> None:
-    """Zigzag needs ``2R`` equal chunks split evenly over the ``U`` Ulysses ranks of a ring rank."""
-    unit = 2 * ring * ulysses
-    if ring > 1 and seq_len % unit:
-        raise ConfigError(
-            f"sequence length {seq_len} is not divisible by 2 x ring x ulysses = 2 x {ring} x {ulysses} = {unit}: "
-            f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
-        )
+    """This call's sequence splits over the mesh (zigzag: ``2R`` chunks over the Ulysses ranks)."""
+    check_sequence_length(seq_len, ring, ulysses)

@@ -35,6 +35,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from titan_upipe.parallel.layout import zigzag_chunks
+
 
 class BlockKind(enum.Enum):
     FULL = "full"
@@ -52,13 +54,6 @@ def causal_block_kind(q_chunk: int, kv_chunk: int) -> BlockKind:
     if kv_chunk == q_chunk:
         return BlockKind.DIAGONAL
     return BlockKind.SKIP
-
-
-def zigzag_chunks(ring_rank: int, ring_size: int) -> tuple[int, int]:
-    """The two chunks (of ``2R``) ring rank ``ring_rank`` owns, in slot order."""
-    if not 0 <= ring_rank < ring_size:
-        raise ValueError(f"ring rank {ring_rank} outside [0, {ring_size})")
-    return ring_rank, 2 * ring_size - 1 - ring_rank
 
 
 def kv_source(ring_rank: int, ring_size: int, step: int) -> int:

@@ -26,6 +26,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from titan_upipe.optim.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
 from titan_upipe.tools.memory_tracker import storage_bytes
+from titan_upipe.torchtitan_0_2.checks.parallelism import data_parallel_shard_degree
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
@@ -36,14 +37,6 @@ def rank_device() -> torch.device:
     if titan_utils.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def data_parallel_shard_degree(parallelism, world_size: int) -> int:
-    """FSDP's degree: ``data_parallel_shard_degree``, or with -1 the ranks left by CP x replicate."""
-    shard = parallelism.data_parallel_shard_degree
-    if shard == -1:
-        shard = world_size // (parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree)
-    return shard
 
 
 def build_parallel_dims(job_config, world_size: int) -> ParallelDims:

@@ -162,6 +162,20 @@ def sequence_divisor(cp_degree: int, ring_degree: int, ulysses_degree: int) -> i
     return cp_degree if ring_degree == 1 else 2 * ring_degree * ulysses_degree
 
 
+def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, key: str = "sequence length") -> None:
+    """A sequence of ``seq_len`` tokens (``key`` names the setting) splits over ``ring x ulysses``
+    ranks: the one rule and message of ``sequence_divisor``, for the job checks, the sequence
+    layouts and the attention's per-call check alike."""
+    cp = ring_degree * ulysses_degree
+    unit = sequence_divisor(cp, ring_degree, ulysses_degree)
+    if seq_len > 0 and seq_len % unit == 0:
+        return
+    what = (f"the context-parallel degree {cp} (parallelism.context_parallel_degree)" if ring_degree == 1 else
+            f"2 x ring x ulysses = 2 x {ring_degree} x {ulysses_degree} = {unit} (zigzag chunks over the Ulysses ranks)")
+    raise ConfigError(f"{key} = {seq_len} is not divisible by {what}: "
+                      f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})")
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """A job's context-parallel layout, validated once (see the module table).
@@ -238,16 +252,8 @@ class CPLayout:
 
     def check_length(self, seq_len: int, key: str) -> None:
         """A sequence of ``seq_len`` tokens (the setting ``key``) can be sharded in this layout."""
-        if self.mode is None or seq_len % self.seq_divisor == 0:
-            return
-        unit = self.seq_divisor
-        what = (f"parallelism.context_parallel_degree = {self.cp_degree}" if self.ring_degree == 1 else
-                f"2 x ring x ulysses = 2 x {self.ring_degree} x {self.ulysses_degree} = {unit} "
-                "(zigzag chunks over the Ulysses ranks)")
-        raise ConfigError(
-            f"{key} = {seq_len} is not divisible by {what}: "
-            f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})"
-        )
+        if self.mode is not None:
+            check_sequence_length(seq_len, self.ring_degree, self.ulysses_degree, key)
 
     @property
     def has_ring(self) -> bool:

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.cp_layout import check_sequence_length
 
 
 class SequenceLayout(Protocol):
@@ -42,6 +43,14 @@ class SequenceLayout(Protocol):
     def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor: ...
 
 
+def zigzag_chunks(ring_rank: int, ring_size: int) -> tuple[int, int]:
+    """The two chunks (of ``2R``) ring rank ``ring_rank`` owns, in slot order: ``r`` and ``2R-1-r``,
+    so every rank holds as many causal (query, key) pairs as any other."""
+    if not 0 <= ring_rank < ring_size:
+        raise ValueError(f"ring rank {ring_rank} outside [0, {ring_size})")
+    return ring_rank, 2 * ring_size - 1 - ring_rank
+
+
 @dataclass(frozen=True)
 class ContiguousLayout:
     seq_len: int
@@ -50,11 +59,7 @@ class ContiguousLayout:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"context-parallel degree must be >= 1, got {self.world_size}")
-        if self.seq_len <= 0 or self.seq_len % self.world_size:
-            raise ConfigError(
-                f"sequence length {self.seq_len} is not divisible by the context-parallel degree "
-                f"{self.world_size}: use a multiple of {self.world_size}"
-            )
+        check_sequence_length(self.seq_len, 1, self.world_size)
 
     @property
     def local_len(self) -> int:
@@ -105,13 +110,7 @@ class ZigzagLayout:
     def __post_init__(self) -> None:
         if self.ring_size < 1 or self.ulysses_size < 1:
             raise ConfigError(f"ring and ulysses degrees must be >= 1, got {self.ring_size} x {self.ulysses_size}")
-        unit = 2 * self.ring_size * self.ulysses_size
-        if self.seq_len <= 0 or self.seq_len % unit:
-            raise ConfigError(
-                f"sequence length {self.seq_len} is not divisible by 2 x ring x ulysses = 2 x {self.ring_size} x "
-                f"{self.ulysses_size} = {unit} (zigzag chunks split evenly over the Ulysses ranks): "
-                f"use a multiple of {unit}"
-            )
+        check_sequence_length(self.seq_len, self.ring_size, self.ulysses_size)
 
     @property
     def world_size(self) -> int:
@@ -128,7 +127,7 @@ class ZigzagLayout:
 
     def ring_chunks(self, ring_rank: int) -> tuple[int, int]:
         """The two zigzag chunks ring rank ``ring_rank`` owns, in ring-local order."""
-        return ring_rank, 2 * self.ring_size - 1 - ring_rank
+        return zigzag_chunks(ring_rank, self.ring_size)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

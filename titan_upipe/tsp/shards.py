@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.cp_layout import check_sequence_length
 
 Tensor = torch.Tensor
 
@@ -49,9 +50,11 @@ def tsp_problems(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_l
     if ffn_dim % degree:
         problems.append(f"TSP degree {degree} does not divide the FFN width {ffn_dim} (each rank owns F/D hidden "
                         f"units of w1/w2/w3): use a divisor of {ffn_dim}")
-    if seq_len is not None and seq_len % (2 * degree):
-        problems.append(f"sequence length {seq_len} is not a multiple of 2 x TSP degree = {2 * degree} (zigzag: two "
-                        f"chunks per rank): use a multiple of {2 * degree}")
+    if seq_len is not None:
+        try:  # TSP's zigzag over D ranks: the ring's rule
+            check_sequence_length(seq_len, degree, 1)
+        except ConfigError as problem:
+            problems.append(str(problem))
     return problems
 
 

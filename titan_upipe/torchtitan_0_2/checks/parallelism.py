@@ -114,10 +114,14 @@ def data_parallel_degree(parallelism, world_size: int) -> int | None:
     degrees do not fit ``world_size``."""
     if not _degrees_are_valid(parallelism) or world_size_problem(parallelism, world_size):
         return None
+    return data_parallel_shard_degree(parallelism, world_size) * parallelism.data_parallel_replicate_degree
+
+
+def data_parallel_shard_degree(parallelism, world_size: int) -> int:
+    """FSDP's degree: ``data_parallel_shard_degree``, or with -1 the ranks the other degrees leave
+    (the one place the plugin resolves it; TorchTitan's ``ParallelDims`` does the same)."""
     shard = parallelism.data_parallel_shard_degree
-    if shard == -1:
-        shard = world_size // degrees_besides_shard(parallelism)
-    return shard * parallelism.data_parallel_replicate_degree
+    return world_size // degrees_besides_shard(parallelism) if shard == -1 else shard
 
 
 def check_supported_parallelism(job_config, world_size: int) -> None:
