@@ -183,10 +183,6 @@ class _Batch:
     local_labels: torch.Tensor
     extra: dict[str, torch.Tensor]
     """Extra model inputs: the shard's ``positions`` under CP."""
-    label_positions: torch.Tensor | None = None
-    """A second copy of the positions (``shard_sequence`` returned them again with the labels, and the
-    measured step has always held them to its end: 8 bytes per local token), kept so that byte
-    counts stay comparable with earlier reports; the trainer holds none."""
 
 
 def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: int, cp_mesh) -> _Batch:
@@ -207,7 +203,7 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
     if cp_mesh is None:
         return _Batch(inputs, labels, inputs, labels, {})
     batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
-    return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs(), batch.positions.clone())
+    return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs())
 
 
 def _forward_loss(rank: TrainingRank, batch: _Batch, global_tokens: float, blocks: BlockMemory) -> torch.Tensor:
