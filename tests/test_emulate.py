@@ -122,6 +122,27 @@ def test_fake_peak_matches_a_real_gloo_run(config, world, emulated):
         assert fake["host_offload_bytes"] > 0
 
 
+DOCS_TABLE = REPO / "docs/benchmarks/emulator.md"
+DOCS_ROWS = {"configs/debug/upipe.toml": "upipe (U = C = 4)", "configs/debug/ulysses.toml": "ulysses",
+             "configs/debug/usp.toml": "usp (ulysses 2 x ring 2)",
+             "configs/debug/llama3_upipe_transforms.toml":
+                 "llama3_upipe_transforms (tiled MLP/RMSNorm, fused RoPE/CE, offloaded full AC)"}
+
+
+@pytest.mark.parametrize("config", list(DOCS_ROWS), ids=list(DOCS_ROWS))
+def test_the_documented_bytes_are_what_the_emulator_measures(config, emulated):
+    """docs/benchmarks/emulator.md's validation table (baseline, fake step peak, fake total peak,
+    all-to-all, P2P and host bytes) is this measurement, byte for byte: a change of the measured
+    step shows up here instead of as a stale page (issue 33)."""
+    row = next(line for line in DOCS_TABLE.read_text().splitlines() if line.startswith(f"| {DOCS_ROWS[config]} |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    record = emulated[config]
+    documented = [int(cells[i]) for i in (2, 3, 6, 9, 10, 11)]
+    measured = [record[k] for k in ("baseline_bytes", "peak_bytes", "total_peak_bytes", "a2a_bytes", "p2p_bytes",
+                                    "host_offload_bytes")]
+    assert documented == measured, (config, documented, measured)
+
+
 def test_cli_json_has_the_report_keys(emulated):
     record = emulated["configs/debug/upipe.toml"]
     assert REQUIRED_KEYS <= set(record), REQUIRED_KEYS - set(record)
