@@ -1,4 +1,4 @@
-"""Render a training run's TensorBoard dashboard (Loss, Throughput, Memory) to a PNG.
+"""Render a training run's TensorBoard dashboard (Loss, Throughput, Memory, Data, Progress) to a PNG.
 
     python scripts/plot_dashboard.py outputs/debug_llama3_upipe/tb --out dashboard.png
 
@@ -120,7 +120,7 @@ def render(series: Series, layout: Layout, out: Path, title: str) -> None:
             ax.tick_params(labelsize=8)
             ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # room for the title above the top row
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

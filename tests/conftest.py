@@ -52,11 +52,14 @@ def text_job_assets(tmp_path_factory):
 @pytest.fixture(scope="session")
 def upipe_text_job(text_job_assets, tmp_path_factory):
     """A training job as the GPU recipes run one, on 2 CPU ranks: UPipe CP=2 (backend ``auto``),
-    local text, HF weights, full checkpoints at steps 2 and 4; its dump folder. Shared by the
-    resume tests and the dashboard test."""
+    local text, HF weights, full checkpoints at steps 2 and 4, the progress of every step
+    (``metrics.progress_after_seconds = 0``); its dump folder, with the launch's console output in
+    ``console.log``. Shared by the resume tests and the dashboard tests."""
     out = tmp_path_factory.mktemp("upipe_text_job")
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", out, *text_job_overrides(text_job_assets),
-             "--training.local_batch_size", "2", "--upipe.attention_backend", "auto")
+    proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_upipe.toml", out, *text_job_overrides(text_job_assets),
+                    "--training.local_batch_size", "2", "--upipe.attention_backend", "auto",
+                    "--metrics.progress_after_seconds", "0")
+    (out / "console.log").write_text(proc.stdout + proc.stderr)
     return out
 
 

@@ -85,7 +85,7 @@ def test_ring_modes_convert_without_communication(mode: str, mesh: NoCommMesh) -
 
 def test_usp_ulysses_degree_must_split_the_heads() -> None:
     with pytest.raises(ConfigError, match=re.escape("ulysses degree 3 cannot split n_heads=8, n_kv_heads=2 exactly: "
-                                                    "valid CP degrees are [1, 2, 4, 8]")):
+                                                    "valid CP degrees are [2, 4, 8]")):
         convert_attention(llama3(), "usp", usp_mesh(2, 3))
     with pytest.raises(ConfigError, match=r"valid values for n_heads=8 at CP degree 2 are 0 \(= 2\) or \[2, 4, 8\]"):
         convert_attention(llama3(), "upipe", usp_mesh(2, 2), heads_per_stage=3)
@@ -146,9 +146,9 @@ def test_invalid_heads_per_stage(heads, cp: int, u: int, message: str) -> None:
 
 
 @pytest.mark.parametrize(("heads", "cp", "valid"), [
-    ((8, 2), 3, "[1, 2, 4, 8]"),
-    ((12, 3), 2, "[1, 3, 6, 12]"),  # 2 ranks cannot split 3 KV heads, nor share one
-    ((8, 8), 16, "[1, 2, 4, 8]"),
+    ((8, 2), 3, "[2, 4, 8]"),
+    ((12, 3), 2, "[3, 6, 12]"),  # 2 ranks cannot split 3 KV heads, nor share one
+    ((8, 8), 16, "[2, 4, 8]"),
 ])
 @pytest.mark.parametrize("mode", ["ulysses", "upipe"])
 def test_invalid_cp_degree_names_the_valid_ones(heads, cp: int, valid: str, mode: str) -> None:

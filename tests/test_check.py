@@ -11,6 +11,7 @@ import torch
 from dist_utils import run_distributed
 from trainer_utils import REPO
 
+from titan_upipe.errors import ConfigError
 from titan_upipe.tools.parity import relative_error
 
 # (config, ranks, overrides): the check through torchrun. The other CP modes' configs run in-process
@@ -89,7 +90,7 @@ def test_parity_check_rejects_wrong_world_size(monkeypatch):
     from titan_upipe.tools.parity import run_check
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit, match="--nproc_per_node 2"):
+    with pytest.raises(ConfigError, match="--nproc_per_node 2"):  # main prints it once (tests/test_tool_errors.py)
         run_check(["--job.config_file", str(REPO / "configs/debug/llama3_upipe.toml"), "--seq-len", "64"])
 
 

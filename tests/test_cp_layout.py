@@ -51,7 +51,7 @@ def test_heads_per_stage_setting_is_upipe_u():
         ({"mode": "sideways", "cp_degree": 2}, "valid modes are ulysses, upipe, ring, usp"),
         ({"mode": "usp", "cp_degree": 8, "ulysses_setting": 3}, "does not divide"),
         ({"mode": "usp", "cp_degree": 8, "ulysses_setting": 8}, r"valid values are \[2, 4\]"),
-        ({"mode": "ulysses", "cp_degree": 3, **LLAMA3_8B_HEADS}, r"valid CP degrees are \[1, 2, 4, 8, 16, 32\]"),
+        ({"mode": "ulysses", "cp_degree": 3, **LLAMA3_8B_HEADS}, r"valid CP degrees are \[2, 4, 8, 16, 32\]"),
         ({"mode": "usp", "cp_degree": 6, "ulysses_setting": 3, **LLAMA3_8B_HEADS}, "use upipe.ulysses_degree in"),
         ({"mode": "upipe", "cp_degree": 8, "heads_per_stage_setting": 12, **LLAMA3_8B_HEADS},
          r"valid values .* are 0 \(= 8\) or \[8, 16, 32\]"),

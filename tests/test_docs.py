@@ -28,13 +28,14 @@ def _sections():
     from titan_upipe.torchtitan_0_2.config import (
         ActivationCheckpointOffload,
         LocalData,
+        MetricsConsole,
         OptimizerHostState,
         Transforms,
         UPipe,
     )
 
     return [("upipe", UPipe), ("transforms", Transforms), ("activation_checkpoint", ActivationCheckpointOffload),
-            ("local_data", LocalData), ("optimizer", OptimizerHostState)]
+            ("local_data", LocalData), ("optimizer", OptimizerHostState), ("metrics", MetricsConsole)]
 
 
 def _section_text(doc: str, section: str) -> str:
@@ -58,7 +59,8 @@ def _toml(value: object) -> str:
     return str(value)
 
 
-@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data", "optimizer"])
+@pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data", "optimizer",
+                                     "metrics"])
 def test_every_config_key_is_documented_with_its_default(section):
     doc = CONFIG_DOC.read_text()
     cls = dict(_sections())[section]

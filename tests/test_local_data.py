@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import numpy as np
@@ -10,7 +11,12 @@ import torch
 from text_assets import write_corpus, write_tokenizer
 
 from titan_upipe.data.loader import GlobalBatchLoader
-from titan_upipe.data.local_text import LocalTextStream, expand_paths
+from titan_upipe.data.local_text import (
+    LocalTextStream,
+    check_first_records,
+    check_some_document,
+    expand_paths,
+)
 from titan_upipe.data.packing import Cursor, Document, pack
 from titan_upipe.data.synthetic import SyntheticCopyStream, copy_sample
 from titan_upipe.errors import ConfigError
@@ -157,3 +163,68 @@ def test_changed_global_batch_continues_at_the_next_sample():
     resumed, _ = _global_batches(lambda: SyntheticCopyStream(SEQ), 1, 2, 1, states[0])
     expected = torch.stack([torch.from_numpy(copy_sample(i, SEQ)[:-1]) for i in (12, 13)])
     assert torch.equal(resumed[0], expected)
+
+
+def _broken_file(tmp_path):
+    """Five lines: documents at lines 1, 4 and 5; a line that is not JSON (2) and one without the key (3)."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "w1 w2"}\n{"text": "w3"\n{"body": "w4"}\n{"text": "w5 w6"}\n{"text": "w7"}\n')
+    return path
+
+
+def test_a_bad_record_at_run_time_names_its_file_and_line(tmp_path):
+    path = _broken_file(tmp_path)
+    stream = LocalTextStream([str(path)], lambda text: [1] * len(text.split()), 2)
+    with pytest.raises(ConfigError, match=rf"^{path}, line 2: not JSON \(Expecting ',' delimiter at column 14\): fix "
+                                          "or remove the line, or set local_data.skip_bad_records = true"):
+        stream.skip_samples(3)
+    # Resumed past line 2 (a byte offset), the next bad line is still named by its line number.
+    second_line = len(path.read_text().splitlines()[0]) + 1
+    later = LocalTextStream([str(path)], lambda text: [1] * len(text.split()), 2)
+    later.load_state_dict({"epoch": 0, "file": 0, "position": second_line + 14, "token_offset": 0,
+                           "file_path": str(path)})
+    with pytest.raises(ConfigError, match=rf"^{path}, line 3: no 'text' key \(keys: \['body'\]\)"):
+        later.next_sample()
+
+
+def test_skip_bad_records_skips_and_counts_them(tmp_path, caplog):
+    path = _broken_file(tmp_path)
+    stream = LocalTextStream([str(path)], lambda text: [int(w[1:]) for w in text.split()], 2, skip_bad_records=True)
+    with caplog.at_level("WARNING"):
+        samples = [stream.next_sample() for _ in range(3)]
+    assert np.concatenate(samples).tolist() == [1, 2, 5, 6, 7, 1, 2, 5, 6]  # lines 1, 4, 5, then the next pass
+    assert stream.bad_records.count == 4  # two per pass
+    assert f"skipped bad record 1: {path}, line 2: not JSON" in caplog.text
+    assert f"skipped bad record 2: {path}, line 3: no 'text' key" in caplog.text
+    assert "pass 1 over 1 file(s) begins (the data repeats); 2 bad records skipped so far" in caplog.text
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("list.jsonl", b'[1, 2]\n', "line 1: a JSON list, not an object"),
+    ("number.jsonl", b'{"text": 7}\n', "line 1: 'text' is not text (int): fix the record"),
+    ("latin1.jsonl", b'{"text": "caf\xe9"}\n', "line 1: not UTF-8"),
+    ("latin1.txt", b"caf\xe9", "latin1.txt: not UTF-8 text"),
+])
+def test_other_bad_records_are_named(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LocalTextStream([str(tmp_path / name)], lambda text: [1, 2], 4).next_sample()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_first_records(str(tmp_path / name), "text")
+
+
+def test_the_first_records_check_reads_as_the_stream_reads(tmp_path, corpus):
+    root = corpus[0]
+    for path in expand_paths([str(root / "data" / "*")]):
+        check_first_records(path, "text")  # every supported type, blank line included
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    assert not check_first_records(str(tmp_path / "empty.jsonl"), "text")
+    assert check_first_records(str(root / "data" / "a.jsonl"), "text")
+    with pytest.raises(ConfigError, match="no file of local_data.paths holds a document"):
+        check_some_document([str(tmp_path / "empty.jsonl")], [False], "local_data.paths")
+    check_some_document([str(tmp_path / "empty.jsonl"), "a.jsonl"], [False, True], "local_data.paths")
+    with pytest.raises(ConfigError, match=r"b.parquet: no 'body' column \(columns: \['text'\]\)"):
+        check_first_records(str(root / "data" / "b.parquet"), "body")
+    check_first_records(str(_broken_file(tmp_path)), "text", records=1)  # the bad line 2 is not among the first 1
+    with pytest.raises(ConfigError, match="line 2: not JSON"):
+        check_first_records(str(_broken_file(tmp_path)), "text", records=2)

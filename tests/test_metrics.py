@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import glob
+import io
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +15,7 @@ from titan_upipe.torchtitan_0_2.metrics import (
     CUSTOM_SCALARS_LAYOUT,
     LongContextMetricsProcessor,
     causal_attention_flops_per_token,
+    console_colors,
     torchtitan_attention_flops_per_token,
 )
 
@@ -103,3 +106,38 @@ def test_dashboard_tags_of_a_upipe_run(upipe_text_job):
     choice = texts["upipe/attention_backend/text_summary"].decode()
     assert choice.startswith("attention backend auto -> sdpa (passed over flash_attn4: flash_attn4 runs "
                              "float16, bfloat16 inputs, not float32")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_colors_only_on_a_terminal():
+    """TorchTitan colours its step line with escape codes; in a redirected log they are noise."""
+    assert console_colors(False, _Terminal()).red == "\033[31m"
+    assert console_colors(True, _Terminal()).red == ""  # metrics.disable_color_printing
+    assert console_colors(False, io.StringIO()).red == ""  # a file or a pipe
+    assert console_colors(False, object()).red == ""  # a stream that cannot tell
+
+
+def test_progress_lines_of_a_upipe_run(upipe_text_job):
+    """``conftest.upipe_text_job`` (2 ranks, 2 blocks, 4 steps, ``progress_after_seconds = 0``): each
+    step's progress lines once (rank 0), validation forwards not counted, the phase times in
+    TensorBoard, no colour codes in the redirected console."""
+    console = (upipe_text_job / "console.log").read_text()
+    assert "\033[" not in console
+    lines = re.findall(r"- INFO - (step \d+/4  .*)", console)
+    for step in range(1, 5):
+        mine = [line for line in lines if line.startswith(f"step {step}/4  ")]
+        where = [line.split("elapsed")[0].split(None, 2)[-1].strip() for line in mine[:-1]]
+        assert where == ["forward    block 1/2", "forward    block 2/2", "backward   block 1/2",
+                         "backward   block 2/2", "optimizer"], mine
+        assert re.fullmatch(rf"step {step}/4  \S+ \(forward \S+, backward \S+, optimizer \S+\)  "
+                            rf"run ETA \S+ at \S+/step \(last {step}\)", mine[-1]), mine[-1]
+    assert "(from this step's blocks)" in lines[0] and "(from step 1)" in lines[6]
+    scalars = read_scalars(upipe_text_job)
+    phases = {phase: dict(scalars[f"progress/{phase}_seconds"]) for phase in ("forward", "backward", "optimizer")}
+    step_time = dict(scalars["throughput/step_time_s"])
+    for step in range(1, 5):
+        assert 0 < sum(times[step] for times in phases.values()) <= step_time[step]

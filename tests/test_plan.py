@@ -166,8 +166,10 @@ def test_recommended_u_is_valid_and_prefers_fewer_stages():
 
 
 def test_invalid_jobs_are_refused():
-    with pytest.raises(ValueError, match="U = 12"):
-        P.plan(gpu_job(heads_per_stage=12))
+    with pytest.raises(ValueError, match=r"heads_per_stage=12 is invalid \(not a multiple of the CP degree 8\)"):
+        P.plan(gpu_job(heads_per_stage=12))  # CPLayout's message (the planner's own came after it before)
+    with pytest.raises(ValueError, match=r"degree 3 cannot split n_heads=32, n_kv_heads=8 .* \[2, 4, 8, 16, 32\]"):
+        P.plan(P.PlanInput(LLAMA, seq_len=3 * 2**18, cp=3))  # "U = 3 ... valid values are []" before
     with pytest.raises(ValueError, match="multiple of"):
         P.plan(P.PlanInput(LLAMA, seq_len=1001, cp=8))
 

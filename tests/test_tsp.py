@@ -39,9 +39,12 @@ def test_degree_problems_name_the_fix():
     assert tsp_problems(8, 2, 64, 2, seq_len=16) == []
     problems = tsp_problems(8, 2, 62, 4, seq_len=12)
     assert len(problems) == 3, problems
-    assert "does not divide the 2 KV heads" in problems[0] and "use one of 1, 2" in problems[0]
-    assert "FFN width 62" in problems[1] and "multiple of 8" in problems[2]
-    assert "query heads" in tsp_problems(6, 6, 64, 4)[0]
+    # one fix for every problem: the degrees > 1 that split heads, KV heads, FFN and sequence at once
+    assert "does not divide the 2 KV heads" in problems[0] and problems[0].endswith("): use 2"), problems
+    assert "FFN width 62" in problems[1] and problems[1].endswith(": use 2") and "multiple of 8" in problems[2]
+    assert tsp_problems(6, 6, 64, 4)[0].endswith("query heads (each rank owns H/D heads): use 2")  # not 3 or 6: FFN
+    assert tsp_problems(12, 12, 96, 5)[0].endswith(": use one of 2, 3, 4, 6, 12")
+    assert tsp_problems(8, 8, 63, 2)[0].endswith(": no degree > 1 splits this model")
     with pytest.raises(ConfigError, match="TSP degree 3"):
         check_tsp_degree(8, 8, 96, 3)
 

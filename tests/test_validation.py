@@ -27,12 +27,12 @@ def test_committed_cp_configs_are_valid_for_their_world_size():
         (("--model.converters", "upipe,ulysses"), 2, "several context-parallel"),
         (("--model.converters", "tiled_mlp"), 2, "needs a context-parallel attention converter"),
         (("--parallelism.context_parallel_degree", "1"), 2, "set it to 2 or more"),
-        (("--parallelism.context_parallel_degree", "3"), 3, r"valid CP degrees are \[1, 2, 4, 8\]"),
+        (("--parallelism.context_parallel_degree", "3"), 3, r"valid CP degrees are \[2, 4, 8\]"),
         (("--upipe.heads_per_stage", "3"), 2, r"valid values .* are 0 \(= 2\) or \[2, 4, 8\]"),
         (("--upipe.heads_per_stage", "6"), 2, "upipe.heads_per_stage=6"),
         (("--training.seq_len", "511"), 2, "training.seq_len = 511 is not divisible"),
-        ((), 3, r"^3 ranks are not a multiple of context_parallel_degree 2: launch 2 or 4 ranks, or set "
-                r"context_parallel_degree to one of 1, 3$"),
+        ((), 3, r"^3 ranks are not a multiple of context_parallel_degree 2: launch 2 or 4 ranks \(no "
+                r"context_parallel_degree fits both 3 ranks"),
         (("--parallelism.data_parallel_shard_degree", "3"), 2,
          r"^context_parallel_degree 2 x data_parallel_shard_degree 3 need 6 ranks, but 2 are launched: launch 6 "
          r"ranks, or set data_parallel_shard_degree to 1 \(or -1"),
@@ -273,3 +273,133 @@ def test_invalid_tsp_jobs_name_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_job(config, world_size=config.parallelism.context_parallel_degree)
     check_job(job(config=TSP), world_size=4)  # and the committed config passes
+
+
+# --- suggestions are right (issue 33): every constraint at once, no advice the config follows ------
+
+RECIPE_1M = "configs/llama3_8b/upipe_1m.toml"  # Llama3-8B: 32 query / 8 KV heads, UPipe CP = 8
+UPIPE_DEBUG = "configs/debug/llama3_upipe.toml"  # 8 query / 2 KV heads, UPipe CP = 2
+
+
+@pytest.mark.parametrize(
+    "config, overrides, world, message",
+    [
+        # 7 ranks: 7 splits no heads and 1 has no CP attention; "one of 1, 7" before
+        (RECIPE_1M, (), 7, r"^7 ranks are not a multiple of context_parallel_degree 8: launch 8 ranks \(no "
+                           r"context_parallel_degree fits both 7 ranks and this job's heads, .*\)$"),
+        # the divisors of 12 that split 32 / 8 heads
+        (RECIPE_1M, (), 12, r"launch 8 or 16 ranks, or set context_parallel_degree to one of 2, 4$"),
+        # U = 2 is a multiple of 2 only: 4 would need U in 4, 8, ...; and CP 8 itself does not fit U = 2,
+        # so more ranks are no fix
+        (RECIPE_1M, ("--upipe.heads_per_stage", "2"), 12, r"12 ranks are not a multiple of context_parallel_degree 8: "
+                                                          r"set context_parallel_degree to 2$"),
+        # CP 3 splits no heads of the debug model: "launch 3 ranks" would only meet the next error
+        (UPIPE_DEBUG, ("--parallelism.context_parallel_degree", "3"), 2,
+         r"^2 ranks are not a multiple of context_parallel_degree 3: set context_parallel_degree to 2$"),
+        # USP with 2 Ulysses ranks: 6 = 3 x 2 splits the heads, but seq_len 512 is no multiple of 2 x 3 x 2
+        (USP, (), 6, r"launch 4 or 8 ranks \(no context_parallel_degree fits"),
+        (USP, ("--training.seq_len", "768"), 6, r"launch 4 or 8 ranks, or set context_parallel_degree to 6$"),
+    ],
+)
+def test_suggested_cp_degrees_fit_every_constraint(config, overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check_job(job(*overrides, config=config), world_size=world)
+    if suggested := [int(d) for d in message.rpartition("to ")[2].removesuffix("$").replace("one of ", "").split(", ")
+                     if d.isdigit()]:
+        for degree in suggested:  # each suggestion is a job the checks accept
+            check_job(job(*overrides, "--parallelism.context_parallel_degree", str(degree), config=config), world)
+
+
+def _host_memory_advice(*overrides: str) -> str:
+    from titan_upipe.tools import preflight as validate
+
+    problem = validate.host_memory_problem(job(*overrides, config=RECIPE_1M), 8, 1024**3, "this machine")
+    assert problem is not None
+    return problem
+
+
+def test_host_memory_advice_leaves_out_what_the_config_already_does():
+    advice = _host_memory_advice()  # pinned offload buffers and an async checkpoint
+    assert "pin_memory = false" in advice and 'async_mode = "disabled"' in advice and "--host-mem" in advice
+    advice = _host_memory_advice("--activation_checkpoint.no-pin_memory", "--checkpoint.async_mode", "disabled")
+    assert "pin_memory" not in advice and "async_mode" not in advice, advice
+    assert advice.endswith("use more nodes (fewer tokens and a smaller state shard per rank) or pass --host-mem GIB "
+                           "when validating away from the compute nodes"), advice
+
+
+def test_offload_advice_does_not_repeat_the_mode_already_set():
+    with pytest.raises(ConfigError) as err:
+        check_job(job("--activation_checkpoint.mode", "full", "--activation_checkpoint.resident_blocks", "1"), 2)
+    assert str(err.value).endswith("set activation_checkpoint.cpu_offload = true or drop it")
+    with pytest.raises(ConfigError, match=r'cpu_offload = true \(and mode = "full"\) or drop it'):
+        check_job(job("--activation_checkpoint.mode", "none", "--activation_checkpoint.resident_blocks", "1"), 2)
+
+
+# --- ignored settings are named (issue 33): a warning where a setting has no effect, an error where
+# --- it contradicts the model
+
+OFFLOADED = ("--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload")
+
+
+@pytest.mark.parametrize(
+    "config, overrides, warning",
+    [
+        ("configs/debug/llama3_ulysses.toml", ("--upipe.heads_per_stage", "4"),
+         "upipe.heads_per_stage = 4 has no effect: it is U, UPipe's query heads per stage, and model.converters runs "
+         "'ulysses'; drop it, or use the 'upipe' converter"),
+        ("configs/debug/llama3_ring.toml", ("--upipe.heads_per_stage", "2"), "upipe.heads_per_stage = 2 has no effect"),
+        (UPIPE, ("--transforms.mlp_tile_tokens", "64"),
+         "transforms.mlp_tile_tokens = 64 has no effect: model.converters has no 'tiled_mlp'; drop it, or add "
+         "'tiled_mlp' to model.converters"),
+        (UPIPE, ("--transforms.rmsnorm_tile_tokens", "64"), "transforms.rmsnorm_tile_tokens = 64 has no effect"),
+        (UPIPE, ("--transforms.ce_backend", "torch"), 'transforms.ce_backend = "torch" has no effect'),
+        (UPIPE, ("--activation_checkpoint.no-pin_memory",),
+         "activation_checkpoint.pin_memory = false has no effect: activation_checkpoint.cpu_offload is false"),
+        (UPIPE, ("--tsp.kv_heads_per_bucket", "1"), "tsp.kv_heads_per_bucket = 1 has no effect: model.converters has "
+                                                    "no 'tsp'"),
+        ("configs/debug/llama3_fsdp.toml", ("--upipe.attention_backend", "math"),
+         'upipe.attention_backend = "math" has no effect: model.converters has no context-parallel attention'),
+        (UPIPE, ("--local_data.text_key", "body"), 'local_data.text_key = "body" has no effect: neither '
+                                                   "training.dataset nor an enabled validation.dataset is 'local_text'"),
+    ],
+)
+def test_a_setting_without_effect_is_a_warning(config, overrides, warning):
+    from titan_upipe.torchtitan_0_2.checks import config_warnings
+
+    assert config_warnings(job(config=config)) == []
+    check_job(job(*overrides, config=config), world_size=4)  # it runs: a warning, not an error
+    warnings = config_warnings(job(*overrides, config=config))
+    assert len(warnings) == 1 and warnings[0].startswith(warning), warnings
+
+
+def test_settings_with_effect_are_not_warned_about():
+    from titan_upipe.torchtitan_0_2.checks import config_warnings
+
+    assert config_warnings(job("--upipe.heads_per_stage", "4", "--activation_checkpoint.no-pin_memory", *OFFLOADED,
+                               "--model.converters", "upipe,tiled_mlp", "--transforms.mlp_tile_tokens", "64")) == []
+
+
+def test_every_recipe_runs_without_a_warning():
+    from pathlib import Path
+
+    from titan_upipe.torchtitan_0_2.checks import config_warnings
+
+    for path in sorted(Path("configs").glob("*/*.toml")):
+        assert config_warnings(job(config=str(path))) == [], path
+
+
+def test_resident_blocks_beyond_the_model_is_an_error():
+    """The debug flavor has 2 blocks: 1 resident leaves one offloaded, 2 none (a warning), 5 is an error."""
+    from titan_upipe.torchtitan_0_2.checks import config_warnings
+
+    check_job(job(*OFFLOADED, "--activation_checkpoint.resident_blocks", "1"), world_size=2)
+    assert config_warnings(job(*OFFLOADED, "--activation_checkpoint.resident_blocks", "1")) == []
+    check_job(job(*OFFLOADED, "--activation_checkpoint.resident_blocks", "2"), world_size=2)
+    assert config_warnings(job(*OFFLOADED, "--activation_checkpoint.resident_blocks", "2")) == [
+        "activation_checkpoint.cpu_offload = true has no effect: resident_blocks = 2 keeps the input of every one of "
+        "the 2 blocks on the device (full activation checkpointing); set cpu_offload = false, or resident_blocks "
+        "below the block count"]
+    with pytest.raises(ConfigError, match=r"^activation_checkpoint.resident_blocks = 5 is more than the 2 blocks of "
+                                          r"model.flavor 'debug': valid values are 0 to 2 \(2: no block input "
+                                          r"offloaded\)$"):
+        check_job(job(*OFFLOADED, "--activation_checkpoint.resident_blocks", "5"), world_size=2)

@@ -1,8 +1,12 @@
-"""The one error type of a setting that cannot run exactly (core: no torch, no TorchTitan)."""
+"""The one error type of a setting that cannot run exactly, and the one way a command reports it
+(core: no torch, no TorchTitan)."""
 
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+import time
 from collections.abc import Iterable
 
 
@@ -27,3 +31,33 @@ def with_suggestion(message: str, word: object, choices: Iterable[object]) -> st
     """``message`` followed by ``; did you mean "x"?`` when one of ``choices`` is close to ``word``."""
     hint = did_you_mean(word, choices)
     return f"{message}; {hint}" if hint else message
+
+
+RANK_ZERO_GRACE_SECONDS = 30.0
+"""How long a rank other than 0 that failed a check before any process group stays alive, so that
+rank 0 prints the one line before torchrun stops the launch."""
+
+
+def is_rank_zero() -> bool:
+    """This process is rank 0 of its launch (``RANK`` unset: not launched by torchrun)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def exit_once(tool: str, message: str, status: int = 2) -> SystemExit:
+    """The exit of a command that cannot run: ``tool: error: message`` printed once, no traceback.
+
+    Outside torchrun and on rank 0 the line is printed at once. Under torchrun
+    (``TORCHELASTIC_RUN_ID``) every rank checks the same command line and config, so the others
+    fail alike; torchrun stops the launch as soon as one rank exits non-zero, which could kill
+    rank 0 before it printed. So a rank other than 0 first waits :data:`RANK_ZERO_GRACE_SECONDS`
+    for torchrun to stop it after rank 0's exit. Still alive after that (another node, whose agent
+    is slower to stop it; or rank 0 did not fail: its files differ, say), each node's local rank 0
+    prints the line with its rank, so that a node's own error is never lost and a node prints
+    it at most once. Returns the ``SystemExit`` to raise (``raise exit_once(...) from None``)."""
+    if is_rank_zero() or "TORCHELASTIC_RUN_ID" not in os.environ:
+        print(f"{tool}: error: {message}", file=sys.stderr, flush=True)
+        return SystemExit(status)
+    time.sleep(RANK_ZERO_GRACE_SECONDS)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{tool}: error on rank {os.environ['RANK']}: {message}", file=sys.stderr, flush=True)
+    return SystemExit(status)

@@ -39,7 +39,7 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, in
     if training.dataset == LOCAL_TEXT_DATASET:
         local = job_config.local_data
         stream = LocalTextStream(expand_paths(local.paths), partial(tokenizer.encode, add_bos=True, add_eos=True),
-                                 training.seq_len, local.text_key)
+                                 training.seq_len, local.text_key, skip_bad_records=local.skip_bad_records)
     else:
         stream = SyntheticCopyStream(training.seq_len, sample=SAMPLES[training.dataset])
     return GlobalBatchLoader(stream, training.local_batch_size, dp_rank, dp_world_size)
@@ -57,7 +57,8 @@ def build_validation_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job
     if validation.dataset == LOCAL_TEXT_DATASET:
         stream = LocalTextStream(expand_paths([validation.dataset_path], "validation.dataset_path"),
                                  partial(tokenizer.encode, add_bos=True, add_eos=True), validation.seq_len,
-                                 job_config.local_data.text_key)
+                                 job_config.local_data.text_key,
+                                 skip_bad_records=job_config.local_data.skip_bad_records)
     else:
         stream = SyntheticCopyStream(validation.seq_len, seed=VALIDATION_SEED, sample=SAMPLES[validation.dataset])
     return GlobalBatchLoader(stream, validation.local_batch_size, dp_rank, dp_world_size)

@@ -23,11 +23,14 @@ pass through. CUDA is used when available (as ``titan_upipe.check`` does), else 
 ``PYTORCH_CUDA_ALLOC_CONF`` defaults to ``expandable_segments:True`` as in ``scripts/run_train.sh``.
 ``--summarize A.json B.json ...`` tabulates ``--json`` outputs next to the paper's Llama3-8B
 Table 4 (peak memory) and Table 5 (step time) from ``titan_upipe/resources/paper_tables.csv``.
+
+A command or a job that cannot run (``--cp-world 0``, a world size the degrees do not fit, a
+length the layout cannot shard) is one line, ``titan_upipe.emulate: error: ...``, printed once
+(rank 0 under torchrun) before any process group starts, exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,28 +42,35 @@ import torch.distributed as dist
 
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.emulate.rank import rank_device
+from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
 from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
+TOOL = "titan_upipe.emulate"
+"""The command's name in its error line."""
+
 
 def _parse(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="python -m titan_upipe.emulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--cp-world", type=int, default=None,
+    parser = ToolParser(prog=f"python -m {TOOL}", description=__doc__.splitlines()[0])
+    parser.add_argument("--cp-world", type=positive_int, default=None,
                         help="ranks of the emulated job (world size; FSDP shards over all of them)")
-    parser.add_argument("--n-layers", type=int, default=None,
+    parser.add_argument("--n-layers", type=positive_int, default=None,
                         help="build this many transformer blocks (default: the flavor's); the report "
                              "extrapolates to the flavor's depth")
-    parser.add_argument("--full-layers", type=int, default=None,
+    parser.add_argument("--full-layers", type=positive_int, default=None,
                         help="the depth the report extrapolates to (default: the flavor's)")
-    parser.add_argument("--seq-len", type=int, default=None, help="global sequence length (training.seq_len)")
-    parser.add_argument("--a2a-gbps", type=float, default=DEFAULT_A2A_GBPS,
+    parser.add_argument("--seq-len", type=token_count, default=None,
+                        help="global sequence length, e.g. 4096 or 1M (training.seq_len)")
+    parser.add_argument("--a2a-gbps", type=positive_size, default=DEFAULT_A2A_GBPS,
                         help=f"all-to-all bandwidth per rank and direction, GB/s (default {DEFAULT_A2A_GBPS:g})")
-    parser.add_argument("--p2p-gbps", type=float, default=None,
+    parser.add_argument("--p2p-gbps", type=positive_size, default=None,
                         help="ring point-to-point bandwidth, GB/s (default: --a2a-gbps)")
-    parser.add_argument("--steps", type=int, default=1, help="training steps; the last is reported (default 1)")
-    parser.add_argument("--rank", type=int, default=0, help="the rank to emulate (default 0)")
+    parser.add_argument("--steps", type=positive_int, default=1, help="training steps; the last is reported (default 1)")
+    parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank to emulate (default 0)")
     parser.add_argument("--no-attention-timing", action="store_true",
                         help="do not time the attention modules (no per-module CUDA synchronisation)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
@@ -210,6 +220,37 @@ def summarize(paths: list[str], paper_csv: str) -> list[str]:
     return out
 
 
+def checked_job(options, titan_args: list[str], launched: int):
+    """The job to emulate (``--seq-len`` applied), validated before any process group: the
+    arguments that depend on each other, the launch, and the job checks at ``--cp-world`` ranks.
+    Raises ConfigError."""
+    if options.cp_world is None:
+        raise ConfigError("--cp-world N is required: the ranks of the job to emulate (e.g. 8)")
+    if options.rank >= options.cp_world:
+        raise ConfigError(f"--rank {options.rank} is not one of the {options.cp_world} ranks: valid values are 0 to "
+                          f"{options.cp_world - 1}")
+    if launched > 1 and launched != options.cp_world:
+        raise ConfigError(f"launched with {launched} ranks but --cp-world {options.cp_world}: launch "
+                          f"--nproc_per_node {options.cp_world}, or emulate one rank in one process (no torchrun)")
+    if options.seq_len:
+        titan_args = [*titan_args, "--training.seq_len", str(options.seq_len)]
+    job_config = parse_config(titan_args, quiet=True)
+    check_job(job_config, options.cp_world)
+    return job_config
+
+
+def _start_process_group() -> bool:
+    """A real run's default process group (nccl on CUDA, gloo else), unless one exists; whether
+    this call started it."""
+    if dist.is_initialized():
+        return False
+    on_cuda = rank_device().type == "cuda"
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if on_cuda else "gloo")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     # As scripts/run_train.sh launches training (read when CUDA first allocates).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -218,23 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     if options.summarize:
         print("\n".join(summarize(options.summarize, options.paper_csv)))
         return 0
-    if options.cp_world is None:
-        raise SystemExit("--cp-world N is required (the ranks of the job to emulate)")
-    if options.seq_len:
-        titan_args += ["--training.seq_len", str(options.seq_len)]
-    job_config = parse_config(titan_args)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        job_config = checked_job(options, titan_args, launched)
+    except ConfigError as err:
+        raise exit_once(TOOL, str(err)) from None
     real = launched > 1
-    owns_group = False
-    if real:
-        if launched != options.cp_world:
-            raise SystemExit(f"launched with {launched} ranks but --cp-world {options.cp_world}")
-        if not dist.is_initialized():
-            on_cuda = rank_device().type == "cuda"
-            if on_cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if on_cuda else "gloo")
-            owns_group = True
+    owns_group = real and _start_process_group()
     try:
         m = measure_step(job_config, options.cp_world, fake=not real, n_layers=options.n_layers,
                          steps=options.steps, rank=options.rank, a2a_gbps=options.a2a_gbps,
@@ -260,4 +291,3 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\n".join(report_lines(m)))
     return 0
-

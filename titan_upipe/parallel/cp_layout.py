@@ -124,7 +124,7 @@ def check_cp_degree(n_heads: int, n_kv_heads: int, cp_degree: int, what: str = "
     if cp_degree < 1 or n_heads % cp_degree != 0 or not _kv_split_ok(n_kv_heads, cp_degree):
         raise ConfigError(
             f"{what} {cp_degree} cannot split n_heads={n_heads}, n_kv_heads={n_kv_heads} "
-            f"exactly: valid CP degrees are {valid_cp_degrees(n_heads, n_kv_heads)}"
+            f"exactly: valid CP degrees are {[c for c in valid_cp_degrees(n_heads, n_kv_heads) if c > 1]}"
         )
 
 
@@ -274,3 +274,14 @@ class CPLayout:
         if self.mode is CPMode.UPIPE and self.has_ring:
             return "upipe-in-usp"
         return self.mode.value
+
+
+def layout_problem(mode: CPMode | str | None, cp_degree: int, ulysses_setting: int = 0, n_heads: int = 0,
+                   n_kv_heads: int = 0, heads_per_stage_setting: int = 0, seq_len: int = 0) -> str | None:
+    """What :class:`CPLayout` refuses in these settings (its message), or None when they build a
+    layout: the one test of a candidate (a CP degree to suggest, say) against every rule at once."""
+    try:
+        CPLayout(mode, cp_degree, ulysses_setting, n_heads, n_kv_heads, heads_per_stage_setting, seq_len)
+    except ConfigError as err:
+        return str(err)
+    return None

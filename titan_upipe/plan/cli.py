@@ -14,14 +14,26 @@ import sys
 from dataclasses import asdict, replace
 
 from titan_upipe.attention.backends import BACKENDS
+from titan_upipe.errors import exit_once
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput
 from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.step import plan
-from titan_upipe.plan.units import GIB, parse_length
+from titan_upipe.plan.units import GIB
+from titan_upipe.tools.cli_args import (
+    ToolParser,
+    non_negative_int,
+    non_negative_size,
+    positive_int,
+    positive_size,
+    token_count,
+)
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
+
+TOOL = "titan_upipe.plan"
+"""The command's name in its error line."""
 
 
 def _model_job(args) -> PlanInput:
@@ -35,7 +47,7 @@ def _model_job(args) -> PlanInput:
     if mode in ("ring",):
         ulysses = 1
     job = PlanInput(
-        model=dims, seq_len=parse_length(args.seq_len), batch=args.batch, cp=args.cp, ulysses=ulysses, mode=mode,
+        model=dims, seq_len=args.seq_len, batch=args.batch, cp=args.cp, ulysses=ulysses, mode=mode,
         heads_per_stage=args.heads_per_stage, world_size=args.world_size or 0, device=args.device or "cuda",
         gpus_per_node=args.gpus_per_node, param_bytes=2 if (args.device or "cuda") == "cuda" else 4,
         pin_memory={"auto": None, "true": True, "false": False}[args.pin_memory],
@@ -50,16 +62,17 @@ def _model_job(args) -> PlanInput:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m titan_upipe.plan", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog=f"python -m {TOOL}", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="llama3_8b, qwen3_32b or <model.name>:<flavor> (instead of a TOML)")
-    parser.add_argument("--seq-len", default="128K", help="sequence length, e.g. 131072, 128K, 5M (2^20 per M)")
-    parser.add_argument("--cp", type=int, default=8, help="context-parallel degree")
-    parser.add_argument("--ulysses", type=int, default=0, help="Ulysses degree (0: all of CP); ring = cp / ulysses")
+    parser.add_argument("--seq-len", type=token_count, default="128K",
+                        help="sequence length, e.g. 131072, 128K, 5M (2^20 per M)")
+    parser.add_argument("--cp", type=positive_int, default=8, help="context-parallel degree")
+    parser.add_argument("--ulysses", type=non_negative_int, default=0, help="Ulysses degree (0: all of CP); ring = cp / ulysses")
     parser.add_argument("--mode", default="upipe", choices=[m for m in MODES if m != "none"])
-    parser.add_argument("--heads-per-stage", type=int, default=None, help="UPipe's U (default: the Ulysses degree)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: cp, or the TOML's degrees)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--heads-per-stage", type=non_negative_int, default=None, help="UPipe's U (default: the Ulysses degree)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per rank")
+    parser.add_argument("--world-size", type=positive_int, default=None, help="ranks (default: cp, or the TOML's degrees)")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8)
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="default: cuda (for a TOML: cpu when mixed_precision_param is float32)")
     parser.add_argument("--pin-memory", choices=["auto", "true", "false"], default="auto",
@@ -75,15 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefetch-after-attention", action="store_true",
                         help="--model only: fetch the next block's offloaded input after the attention backward "
                              "([activation_checkpoint] prefetch_after_attention = true)")
-    parser.add_argument("--resident-blocks", type=int, default=0,
+    parser.add_argument("--resident-blocks", type=non_negative_int, default=0,
                         help="--model only: the last N blocks keep their input on the device "
                              "([activation_checkpoint] resident_blocks = N)")
     parser.add_argument("--documents", action="store_true",
                         help="packed documents (block-causal masks): plan the document mask on every rank "
                              "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")
-    parser.add_argument("--gpu-mem", type=float, default=None, help="GiB of device memory per GPU (e.g. 80)")
-    parser.add_argument("--host-mem", type=float, default=None, help="GiB of host memory per node (e.g. 1900)")
-    parser.add_argument("--reserve-gib", type=float, default=None,
+    parser.add_argument("--gpu-mem", type=positive_size, default=None, help="GiB of device memory per GPU (e.g. 80)")
+    parser.add_argument("--host-mem", type=positive_size, default=None, help="GiB of host memory per node (e.g. 1900)")
+    parser.add_argument("--reserve-gib", type=non_negative_size, default=None,
                         help=f"runtime reserve kept free on each GPU (default {RUNTIME_RESERVE_GIB_CUDA} on cuda, 0 on cpu)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, help="write a PNG of predicted peak vs sequence length")
@@ -93,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bool) -> tuple[PlanInput, str | None]:
     """(the job, the paper model whose Table 4 points to plot) from a TOML or ``--model``."""
     if from_config:
-        job_config = parse_config(rest)
+        job_config = parse_config(rest, quiet=True)
         job = plan_input_from_job_config(job_config, args.world_size, args.device)
         job = replace(job, gpus_per_node=args.gpus_per_node)
         paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items()
@@ -124,9 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         host = args.host_mem * GIB if args.host_mem is not None else None
         result = plan(job, host)
         info = summary(result, gpu, host)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # ConfigError included: the job's settings, as validate words them
+        raise exit_once(TOOL, str(err)) from None
     if args.plot:
         message = make_plot(job, args.plot, gpu, host, paper_model)
         info["plot"] = args.plot

@@ -205,13 +205,16 @@ class PlanInput:
         return self.ac_mode == "full" and self.cpu_offload
 
     def check(self) -> None:
-        """ValueError naming the first problem: the planner's own checks, in their order, then
-        CPLayout's head checks (ConfigError)."""
+        """ValueError naming the first problem: the mode, the counts and the Ulysses degree, then
+        CPLayout's head checks (ConfigError: heads, K/V heads, U), then the sequence and ranks."""
         m = self.model
         _check_planned_mode(self.mode)
         if self.seq_len < 1 or self.cp < 1 or self.batch < 1:
             raise ValueError("seq_len, cp and batch must be positive")
         cu = self.ulysses_degree  # the planner's ValueError when it does not divide cp
+        # CPLayout's head checks first: a degree that splits no heads is named as such (with the
+        # degrees that do), not as an empty list of U values
+        _ = self.layout
         valid_u = valid_heads_per_stage(m.n_heads, cu)
         u = self.heads_per_stage or cu
         if self.mode in UPIPE_MODES and u not in valid_u:
@@ -219,7 +222,6 @@ class PlanInput:
                              f"valid values are {valid_u}")
         if m.n_heads % cu:
             raise ValueError(f"Ulysses degree {cu} does not divide {m.n_heads} heads")
-        _ = self.layout  # CPLayout's remaining head checks (the K/V heads split), ConfigError
         if self.seq_len % self.seq_unit:
             raise ValueError(f"seq_len {self.seq_len} is not a multiple of {self.seq_unit}")
         if self.ranks % self.cp:

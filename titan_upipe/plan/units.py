@@ -1,24 +1,14 @@
 """Units of the planner: bytes (``GIB``) and sequence lengths as the configs write them
-(``K`` = 1024 tokens, ``M`` = 1024² tokens: ``5M`` = 5242880)."""
+(``K`` = 1024 tokens, ``M`` = 1024² tokens: ``5M`` = 5242880; parsed by the command lines' one
+length parser, ``tools.cli_args.parse_length``)."""
 
 from __future__ import annotations
 
+from titan_upipe.tools.cli_args import LENGTH_FORMAT, K, parse_length
+
+__all__ = ["GIB", "K", "LENGTH_FORMAT", "format_bytes", "format_length", "parse_length", "pow2_ceil"]
+
 GIB = 2**30
-K = 1024
-
-
-def parse_length(text: str) -> int:
-    """``131072``, ``128K`` (x1024), ``5M`` (x1024^2), ``1.5M``."""
-    t = str(text).strip().upper()
-    scale = 1
-    if t.endswith("K"):
-        scale, t = K, t[:-1]
-    elif t.endswith("M"):
-        scale, t = K * K, t[:-1]
-    value = float(t) * scale
-    if value != int(value) or value <= 0:
-        raise ValueError(f"invalid length {text!r}")
-    return int(value)
 
 
 def format_length(n: int) -> str:

@@ -78,6 +78,7 @@ from titan_upipe.attention.kernel_speed import (
 )
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
     DENSE_LENGTHS,
     case_key,
@@ -111,6 +112,7 @@ DEFAULT_BUDGET_S = 540
 K, M = 1024, 1024 * 1024
 LENGTHS = {"128K": 128 * K, "256K": 256 * K, "512K": 512 * K, "1M": M, "2M": 2 * M, "3M": 3 * M, "4M": 4 * M,
            "5M": 5 * M, "6M": 6 * M, "7M": 7 * M, "8M": 8 * M}
+NAMES = {tokens: name for name, tokens in LENGTHS.items()}
 MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
 """128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
 MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
@@ -360,7 +362,7 @@ def _add_speed_context(results: list[dict]) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m titan_upipe.gpu_suite", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="python -m titan_upipe.gpu_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="all", choices=[*STAGES, "all"])
     parser.add_argument("--lengths", default=None,
                         help=f"comma-separated lengths for the memory/speed stages, of {', '.join(LENGTHS)}")
@@ -380,12 +382,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="recompute the planner columns of a memory report (JSON and Markdown, in place) "
                              "with this checkout's planner; runs nothing, needs no GPU")
     args = parser.parse_args(argv)
-    if args.lengths is not None:
-        lengths = tuple(x.strip().upper() for x in args.lengths.split(",") if x.strip())
-        unknown = [x for x in lengths if x not in LENGTHS]
-        if unknown or not lengths:
-            parser.error(f"--lengths {args.lengths!r}: valid lengths are {', '.join(LENGTHS)}")
-        args.lengths = lengths
+    if (text := args.lengths) is not None:  # "1M,131072" -> ("1M", "128K"), read by the one length parser
+        try:
+            args.lengths = tuple(NAMES.get(parse_length(x), x.strip()) for x in text.split(",") if x.strip())
+        except ValueError as err:
+            parser.error(f"--lengths: {err}")
+        if not args.lengths or any(x not in LENGTHS for x in args.lengths):
+            parser.error(f"--lengths {text!r}: valid lengths are {', '.join(LENGTHS)}")
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
     if args.next and (args.stage != "all" or args.lengths or args.select):

@@ -17,11 +17,22 @@ different split per row), the parallel model gets the trainer's document mask
 block-causal attention by definition, none of the plugin's mask code. FSDP and activation checkpointing are not
 applied (they do not change the math; the end-to-end tests cover them); every rank holds
 the whole model, so use a short ``--seq-len`` for big models.
+
+On the CPU a config longer than ``CPU_SEQ_LEN_LIMIT`` tokens (a GPU recipe: 1M) is refused unless
+``--seq-len`` is given, with a length that fits the layout to pass. Refused rather than shortened:
+a parity verdict is about the length the user asked for, so a silently chosen one would answer
+another question; and at a GPU recipe's length the single-device reference (attention quadratic
+in the length, on every rank) would not finish on a CPU.
+
+A mistake in the command line or the config (a length the layout cannot shard, a rank count
+other than the CP degree) is one line, ``titan_upipe.check: error: ...``, printed once (rank 0)
+before any process group starts, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -36,16 +47,24 @@ from torchtitan.distributed import ParallelDims
 
 from titan_upipe.attention import sequence_mesh
 from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
+from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
 from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
-from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.checks import check_job, cp_layout
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 
 DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+TOOL = "titan_upipe.check"
+"""The command's name in its error line."""
+CPU_SEQ_LEN_LIMIT = 8192
+"""Above this ``training.seq_len`` the check on the CPU needs ``--seq-len`` (module docstring)."""
+SUGGESTED_SEQ_LEN = 64
+"""The length suggested instead, rounded up to the layout's sequence divisor."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +85,16 @@ def relative_error(actual, reference) -> float:
 
 
 def _parse(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="torchrun ... -m titan_upipe.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: training.seq_len)")
+    parser = ToolParser(prog=f"torchrun ... -m {TOOL}", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=token_count, default=None,
+                        help="sequence length, e.g. 64 or 4K (default: training.seq_len; needed on the CPU above "
+                             f"{CPU_SEQ_LEN_LIMIT})")
     parser.add_argument("--dtype", choices=tuple(DEFAULT_TOLERANCE), default="float32",
                         help="parameter/activation dtype of both models (default float32: exact comparison)")
-    parser.add_argument("--tolerance", type=float, default=None,
+    parser.add_argument("--tolerance", type=positive_size, default=None,
                         help="max relative error (default 1e-5 in float32, 3e-2 in bfloat16)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per batch (default 1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per batch (default 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_known_args(argv)
 
 
@@ -119,29 +140,57 @@ def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents
     return reference, parallel
 
 
-def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
-    """Parse the command line and the job, validate it, start the process group (when this
-    call owns it: the second value) and build the CP mesh."""
-    options, titan_args = _parse(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def _cpu_length_problem(job_config, options: argparse.Namespace, device: torch.device) -> str | None:
+    """A recipe length on the CPU without ``--seq-len`` (module docstring): the refusal, with a
+    length this layout shards."""
+    seq_len = job_config.training.seq_len
+    if device.type != "cpu" or options.seq_len is not None or seq_len <= CPU_SEQ_LEN_LIMIT:
+        return None
+    divisor = cp_layout(job_config).seq_divisor
+    suggested = math.ceil(SUGGESTED_SEQ_LEN / divisor) * divisor
+    return (f"training.seq_len = {seq_len} ({job_config.job.config_file}) is a GPU-scale length: on the CPU the "
+            f"reference model would run all {seq_len} tokens; pass --seq-len {suggested} (a multiple of {divisor}, "
+            f"this layout's sequence divisor; up to {CPU_SEQ_LEN_LIMIT} without --seq-len)")
+
+
+def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: int, device: torch.device):
+    """The job the check runs (data-parallel degrees forced to 1, ``--seq-len`` applied), validated
+    as far as it can be before any process group: one rank per CP rank, the job checks, a length
+    the CPU can run, documents only under CP. Raises ConfigError."""
     overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
     if options.seq_len:
         overrides += ["--training.seq_len", str(options.seq_len)]
-    job_config = parse_config([*titan_args, *overrides])
+    job_config = parse_config([*titan_args, *overrides], quiet=True)
     cp = job_config.parallelism.context_parallel_degree
     if world_size != cp:
-        raise SystemExit(f"titan_upipe.check runs one rank per CP rank: launch with --nproc_per_node {cp} "
-                         f"(parallelism.context_parallel_degree), not {world_size}")
+        raise ConfigError(f"the check runs one rank per CP rank: launch it with --nproc_per_node {cp} "
+                          f"(parallelism.context_parallel_degree), not {world_size}")
     check_job(job_config, world_size)
-    tolerance = options.tolerance if options.tolerance is not None else DEFAULT_TOLERANCE[options.dtype]
+    if problem := _cpu_length_problem(job_config, options, device):
+        raise ConfigError(problem)
+    if packs_documents(flavor_args(job_config)) and cp == 1:
+        raise ConfigError("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
+                          "attention against TorchTitan's per document: set parallelism.context_parallel_degree "
+                          ">= 2 with a CP converter")
+    return job_config
+
+
+def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
+    """Parse the command line and the job, validate it (:func:`checked_job`), start the process
+    group (when this call owns it: the second value) and build the CP mesh."""
+    options, titan_args = _parse(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device = rank_device()
+    job_config = checked_job(options, titan_args, world_size, device)
+    tolerance = options.tolerance if options.tolerance is not None else DEFAULT_TOLERANCE[options.dtype]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    setup = CheckSetup(options, job_config, world_size, int(os.environ.get("RANK", "0")), cp, device,
-                       getattr(torch, options.dtype), tolerance, build_parallel_dims(job_config, world_size))
+    setup = CheckSetup(options, job_config, world_size, int(os.environ.get("RANK", "0")),
+                       job_config.parallelism.context_parallel_degree, device, getattr(torch, options.dtype),
+                       tolerance, build_parallel_dims(job_config, world_size))
     return setup, owns_process_group
 
 
@@ -226,10 +275,6 @@ def run_check(argv: list[str]) -> int:
     setup, owns_process_group = _setup(argv)
     options, job_config = setup.options, setup.job_config
     documents = packs_documents(flavor_args(job_config))
-    if documents and setup.cp == 1:
-        raise SystemExit("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
-                         "attention against TorchTitan's per document: set parallelism.context_parallel_degree "
-                         ">= 2 with a CP converter")
     reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed,
                                         documents)
     loss_fn = build_loss_fn(parallel.spec, job_config, setup.parallel_dims)
@@ -260,8 +305,14 @@ def run_check(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def main() -> None:
-    sys.exit(run_check(sys.argv[1:]))
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun ... -m titan_upipe.check``: exit status 0 (parity), 1 (a difference over the
+    tolerance) or 2 (the command or the job cannot run: one line, printed once)."""
+    try:
+        code = run_check(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        raise exit_once(TOOL, str(err)) from None
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,19 @@ cannot, 2 on usage errors. Needs no GPU and starts no processes.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job_config import plan_from_job_config
+from titan_upipe.tools.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, job_assets
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
     plugin_fields,
 )
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 GIB = 1024**3
@@ -99,9 +100,13 @@ def available_host_memory() -> int | None:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-ASYNC_STATE_BYTES_PER_PARAM = 12
-"""An async checkpoint stages each rank's shard of the fp32 parameters and both AdamW moments
-in host memory (4 + 4 + 4 bytes per parameter)."""
+ASYNC_STATE_BYTES_PER_PARAM = CHECKPOINT_BYTES_PER_PARAMETER
+"""An async checkpoint stages each rank's shard of what a checkpoint holds (fp32 parameters and
+both AdamW moments) in host memory."""
+
+
+def _async_checkpoint(job_config) -> bool:
+    return job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled"
 
 
 def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
@@ -110,16 +115,32 @@ def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
     result = plan_from_job_config(job_config, world_size)
     ranks_per_node = min(result.job.ranks, result.job.gpus_per_node)
     parts = {"offloaded activations": result.host_bytes}
-    if job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled":
+    if _async_checkpoint(job_config):
         state = ASYNC_STATE_BYTES_PER_PARAM * result.job.model.total_params // result.job.fsdp
         parts["async checkpoint staging"] = state * ranks_per_node
     what = " + ".join(f"{name} {size / GIB:.1f} GiB" for name, size in parts.items() if size)
     return sum(parts.values()), what
 
 
+def host_memory_fixes(job_config, source: str) -> list[str]:
+    """What lowers a node's host memory, leaving out what the config already does (advice it
+    follows is never given): pageable offload buffers, more nodes, no async checkpoint staging,
+    and, when ``source`` is this machine, the compute nodes' memory."""
+    offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload)
+    fixes = []
+    if offload.cpu_offload and offload.pin_memory:
+        fixes.append("set activation_checkpoint.pin_memory = false (pageable buffers are not rounded up)")
+    fixes.append("use more nodes (fewer tokens and a smaller state shard per rank)")
+    if _async_checkpoint(job_config):
+        fixes.append('set checkpoint.async_mode = "disabled"')
+    if source != "--host-mem":
+        fixes.append("pass --host-mem GIB when validating away from the compute nodes")
+    return fixes
+
+
 def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None, source: str) -> str | None:
-    if host_mem_bytes is None or not plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload).cpu_offload and (
-            not job_config.checkpoint.enable or job_config.checkpoint.async_mode == "disabled"):
+    offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload).cpu_offload
+    if host_mem_bytes is None or not (offload or _async_checkpoint(job_config)):
         return None
     try:
         needed, what = host_memory_needed(job_config, world_size)
@@ -127,10 +148,10 @@ def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None,
         return None
     if needed <= host_mem_bytes:
         return None
+    *fixes, last = host_memory_fixes(job_config, source)
+    fix = f"{', '.join(fixes)} or {last}" if fixes else last
     return (f"a node needs {needed / GIB:.1f} GiB of host memory ({what}) but {source} has {host_mem_bytes / GIB:.1f} "
-            "GiB: set activation_checkpoint.pin_memory = false (pageable buffers are not rounded up), use more "
-            "nodes (fewer tokens per rank), set checkpoint.async_mode = \"disabled\", or pass --host-mem GIB "
-            "when validating away from the compute nodes")
+            f"GiB: {fix}")
 
 
 def summarize(job_config, world_size: int) -> LayoutSummary:
@@ -148,18 +169,18 @@ def summarize(job_config, world_size: int) -> LayoutSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
+    parser = ToolParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the TOML file to check")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=positive_int, default=None,
                         help="ranks the job will run on (default: the product of the configured degrees)")
-    parser.add_argument("--host-mem", type=float, default=None,
+    parser.add_argument("--host-mem", type=positive_size, default=None,
                         help="host memory of a compute node in GiB (default: this machine's available memory)")
     parser.add_argument("--no-assets", action="store_true",
                         help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
     args, overrides = parser.parse_known_args(argv)
     register_plugin()
     try:
-        job_config = parse_config(["--job.config_file", args.config, *overrides])
+        job_config = parse_config(["--job.config_file", args.config, *overrides], quiet=True)
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{args.config}: cannot be parsed:\n  - {err}")
         return 1

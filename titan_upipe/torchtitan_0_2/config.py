@@ -19,7 +19,7 @@ from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
-           "OptimizerHostState", "TSP", "Transforms", "UPipe"]
+           "MetricsConsole", "OptimizerHostState", "TSP", "Transforms", "UPipe"]
 
 
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
@@ -43,7 +43,9 @@ class UPipe:
 
     heads_per_stage: int = 0
     """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that
-    divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice)."""
+    divides the head count. 0 means U = the Ulysses degree (the paper's most memory-frugal choice).
+    Read by ``upipe`` alone: set under another mode it has no effect, and the job checks warn
+    (``checks.ignored``)."""
 
     attention_backend: str = "auto"
     """Local attention kernel: auto (at conversion, the fastest installed one that runs the
@@ -110,7 +112,8 @@ def _require_tile(value: object, key: str) -> None:
 @dataclass
 class Transforms:
     """Settings of the memory transforms (``tiled_mlp``, ``tiled_rmsnorm``, ``fused_ce``
-    converters). Every size is in tokens of this rank's batch; 0 picks the default."""
+    converters). Every size is in tokens of this rank's batch; 0 picks the default. A setting
+    whose converter is not in ``model.converters`` has no effect (a warning: ``checks.ignored``)."""
 
     mlp_tile_tokens: int = 0
     """Tokens per tiled-MLP tile; 0 means d_model tokens (the paper's square tile)."""
@@ -149,7 +152,8 @@ class ActivationCheckpointOffload:
     resident_blocks: int = 0
     """With ``cpu_offload``: the last N blocks keep their input on the device (backward needs them
     first): N block inputs less host memory, N more on the device from their forward to their
-    backward, never at the backward peak (blocks 0-1) (``docs/planner.md``, issue 18)."""
+    backward, never at the backward peak (blocks 0-1) (``docs/planner.md``, issue 18). At most
+    the model's blocks (``checks.training.check_resident_blocks``; all of them: a warning)."""
 
     prefetch_after_attention: bool = False
     """With ``cpu_offload``: start the copy of the input the next block's backward needs only after
@@ -169,6 +173,23 @@ class OptimizerHostState:
 
 
 @dataclass
+class MetricsConsole:
+    """Fields merged into TorchTitan's own ``[metrics]`` section: what the console shows (the merged
+    section keeps TorchTitan's class). Progress lines through a long step:
+    ``titan_upipe.torchtitan_0_2.progress``, checked by ``checks.training.check_metrics``."""
+
+    progress_after_seconds: float = 60.0
+    """Once a step has run this long (or the previous one did), rank 0 logs its forward, backward and
+    optimizer progress block by block, with an estimate for the step, and writes the phase times
+    to TensorBoard (``progress/…``). 0: every step."""
+
+    log_all_ranks: bool = False
+    """Every rank logs its INFO and WARNING lines (TorchTitan's step lines, the model arguments, its
+    start-up warnings). Off: rank 0 alone does, the others log errors only, so that each line
+    reaches the console once."""
+
+
+@dataclass
 class LocalData:
     """The files of ``training.dataset = "local_text"`` (``titan_upipe.data.local_text``)."""
 
@@ -179,11 +200,18 @@ class LocalData:
     text_key: str = "text"
     """The JSON key / Parquet column holding a document's text (.txt files are one document each)."""
 
+    skip_bad_records: bool = False
+    """Skip a record that cannot be read (a JSONL line that is not a JSON object, a record without
+    ``text_key`` or whose text is not a string, a text file that is not UTF-8) instead of stopping
+    the job with its file and line; each skip counts, the first ones logged with file and line."""
+
     def __post_init__(self) -> None:
         _require(isinstance(self.paths, list) and all(isinstance(p, str) and p for p in self.paths),
                  "local_data.paths", self.paths, "a list of glob patterns, e.g. [\"/data/books/*.jsonl\"]")
         _require(isinstance(self.text_key, str) and bool(self.text_key), "local_data.text_key", self.text_key,
                  "a non-empty key name")
+        _require(isinstance(self.skip_bad_records, bool), "local_data.skip_bad_records", self.skip_bad_records,
+                 "true or false")
 
 
 T = TypeVar("T")
@@ -214,3 +242,4 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointOffload = field(default_factory=ActivationCheckpointOffload)
     local_data: LocalData = field(default_factory=LocalData)
     optimizer: OptimizerHostState = field(default_factory=OptimizerHostState)
+    metrics: MetricsConsole = field(default_factory=MetricsConsole)

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import logging
 import re
 import sys
 import tomllib
@@ -29,8 +30,8 @@ from torchtitan.config import JobConfig as TorchTitanJobConfig
 
 from titan_upipe.errors import ConfigError, closest, with_suggestion
 
-__all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_flags", "check_toml", "config_schema",
-           "console_error_line", "flag_value", "load_toml", "parse_job_config", "parse_quietly"]
+__all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_toml",
+           "config_schema", "console_error_line", "flag_value", "load_toml", "parse_job_config", "parse_quietly"]
 
 Schema = dict[str, "Schema | object"]
 """Section name -> nested schema, key name -> its annotated type."""
@@ -45,6 +46,10 @@ CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module
 def load_toml(path: str) -> dict:
     """The TOML at ``path``; a missing or malformed file is a ConfigError naming the fix."""
     file = Path(path)
+    if file.is_dir():
+        tomls = sorted(str(p) for p in file.glob("*.toml"))
+        raise ConfigError(f"config file {path} is a directory: name one TOML file in it"
+                          + (f", one of {', '.join(tomls)}" if tomls else " (it has none)"))
     if not file.is_file():
         siblings = sorted(str(p) for p in file.parent.glob("*.toml")) if file.parent.is_dir() else []
         where = f"{file.parent}/ has no such file" if file.parent.is_dir() else f"{file.parent}/ does not exist"
@@ -204,12 +209,41 @@ def _flag_resolves(key: str, schema: Schema) -> bool:
 
 
 def check_flags(args: list[str], schema: Schema) -> None:
-    """Every ``--section.key`` flag names a field; otherwise a ConfigError with the closest one."""
+    """Every ``--section.key`` flag names a field (otherwise a ConfigError with the closest one),
+    and a true/false field's flag comes without a value (:func:`check_bool_flags`)."""
     for flag, key in _flag_names(args):
         if not _flag_resolves(key, schema):
             match = closest(key, _leaf_names(schema))
             fix = f"did you mean --{match}?" if match else "--help lists the valid ones"
             raise ConfigError(f"unknown option {flag}: {fix}")
+    check_bool_flags(args, schema)
+
+
+def _field_type(key: str, schema: Schema) -> object:
+    node: object = schema
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def check_bool_flags(args: list[str], schema: Schema) -> None:
+    """A true/false field is a flag in TorchTitan 0.2.2's parser (tyro): ``--section.key`` sets it
+    true, ``--section.no-key`` (or ``no_key``) false, and it takes no value; given one (``--key
+    maybe``, ``--key false``, ``--key=true``), tyro says only "Unrecognized options: maybe"."""
+    for i, arg in enumerate(args):
+        flag, has_value, value = arg.partition("=")
+        if not (flag.startswith("--") and "." in flag):
+            continue
+        section, _, leaf = flag[2:].replace("-", "_").rpartition(".")
+        negated = leaf.startswith("no_") and _field_type(f"{section}.{leaf[3:]}", schema) is bool
+        if not negated and _field_type(f"{section}.{leaf}", schema) is not bool:
+            continue
+        if not has_value and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, has_value = args[i + 1], True
+        if has_value:
+            key = leaf[3:] if negated else leaf
+            raise ConfigError(f"{flag} is a true/false flag and takes no value ({value!r}): pass --{section}.{key} "
+                              f"alone for true, --{section}.no-{key} for false")
 
 
 # ---------------------------------------------------------------------------- ConfigManager
@@ -283,6 +317,25 @@ def with_plugin_config(args: list[str]) -> list[str]:
     return [*args, f"--job.custom_config_module={CONFIG_MODULE}"]
 
 
-def parse_config(args: list[str]):
-    """The JobConfig of ``args`` with the plugin's sections; every mistake raises ConfigError."""
-    return parse_job_config(with_plugin_config(args))
+@contextlib.contextmanager
+def torchtitan_warnings_muted():
+    """TorchTitan's config manager logs its own guesses while parsing ("HF assets path ... does not
+    exist!", for synthetic-data jobs too, which need no assets). The tools print their findings
+    only, each once, so the root logger (TorchTitan's) passes errors alone meanwhile."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def parse_config(args: list[str], quiet: bool = False):
+    """The JobConfig of ``args`` with the plugin's sections; every mistake raises ConfigError.
+    ``quiet``: without TorchTitan's parse-time warnings (the tools; the trainer keeps them, its
+    deprecation notices included)."""
+    if not quiet:
+        return parse_job_config(with_plugin_config(args))
+    with torchtitan_warnings_muted():
+        return parse_job_config(with_plugin_config(args))

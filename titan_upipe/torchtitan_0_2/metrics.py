@@ -28,18 +28,25 @@ memory/alloc_retries           cudaMalloc retries (allocator under pressure)
 memory/offload_host_gib        peak host memory held by offloaded checkpoints
 data/documents, data/doc_*     documents read since the last log and their lengths in tokens
 data/tokens_in_docs_ge_*_pct   share of tokens in long documents (``local_text`` only)
+progress/<phase>_seconds       forward, backward, optimizer time of a step timed with the progress
+                               on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_0_2.progress)
 ============================== ==============================================
+
+TorchTitan colours its console lines unless ``metrics.disable_color_printing``; the processor
+keeps them plain also when stdout is not a terminal (a redirected log, a SLURM output file).
 
 On CPU (``titan_upipe.torchtitan_0_2.cpu_runtime``) the device statistics are the process's resident set.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import Color, NoColor
 
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
@@ -72,7 +79,18 @@ CUSTOM_SCALARS_LAYOUT = {
         "% tokens in long documents": ("Multiline", ["data/tokens_in_docs_ge_32k_pct",
                                                      "data/tokens_in_docs_ge_seq_len_pct"]),
     },
+    "Progress": {
+        "phase time (s)": ("Multiline", ["progress/forward_seconds", "progress/backward_seconds",
+                                         "progress/optimizer_seconds"]),
+    },
 }
+
+
+def console_colors(disabled: bool, stream: TextIO) -> Color | NoColor:
+    """TorchTitan's colour codes for ``stream``: none when ``metrics.disable_color_printing`` or when
+    the stream is not a terminal (escape codes would land in the file)."""
+    isatty = getattr(stream, "isatty", None)
+    return Color() if not disabled and isatty is not None and isatty() else NoColor()
 
 
 def causal_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
@@ -93,6 +111,8 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self.document_stats: Callable[[], dict[str, float]] | None = None
         """Set by the trainer when its loader reports document lengths (``data/…`` tags)."""
         super().__init__(job_config, parallel_dims, tag)
+        # TorchTitan's logger writes to stdout; its trainer and validator read this attribute.
+        self.color = console_colors(job_config.metrics.disable_color_printing, sys.stdout)
         self._write_custom_scalars_layout()
         self._write_attention_backend(job_config)
 

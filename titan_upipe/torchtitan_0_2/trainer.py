@@ -22,6 +22,8 @@
   TorchTitan 0.2.2 sums ``n_tokens_seen`` and takes the max over the CP ranks as well, which makes
   the first C times too large and the second the max of ``L_{d,c} / N_d`` (about the mean / C).
 * **Document statistics.** A packed corpus's document lengths go to the metrics (``data/…`` tags).
+* **Progress.** The step's phases and blocks, for the long-step lines, the ``progress/…`` tags
+  and the run's ETA (``titan_upipe.torchtitan_0_2.progress``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.train import Trainer
 
 from titan_upipe.parallel.inputs import valid_tokens
+from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_eos_id,
     global_valid_tokens,
@@ -45,6 +48,7 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
     shard_batch,
 )
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_0_2.progress import build_step_progress
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -52,9 +56,12 @@ Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 class ContextParallelTrainer(Trainer):
     def __init__(self, job_config) -> None:
         super().__init__(job_config)
+        # A failed save names its path and cause (no space, permission) in one line.
+        self.checkpointer = SaveErrorReporter(self.checkpointer, self.model_parts)
         take_stats = getattr(self.dataloader, "take_document_stats", None)
         if take_stats is not None and hasattr(self.metrics_processor, "document_stats"):
             self.metrics_processor.document_stats = take_stats
+        self.progress = build_step_progress(job_config, self.model_parts, self.device)
 
     @property
     def data_parallel_degree(self) -> int:
@@ -89,6 +96,7 @@ class ContextParallelTrainer(Trainer):
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         """One optimizer step over ``gradient_accumulation_steps`` microbatches; losses over the
         global valid-token count; logs the counters in the module docstring."""
+        self.progress.begin_step(self.step, self.gradient_accumulation_steps)
         self.optimizers.zero_grad()
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
@@ -101,22 +109,26 @@ class ContextParallelTrainer(Trainer):
         losses = []
         for input_dict, labels in microbatches:
             input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            self.progress.begin_microbatch()
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
                                               global_valid_tokens=global_valid)
             losses.append(loss.detach())
 
+        self.progress.begin_optimizer()
         grad_norm = clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm,
             foreach=True, pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
+        phase_times = self.progress.end_step()
 
         if not self.metrics_processor.should_log(self.step):
             return
         avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
         self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
-                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr})
+                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr, **phase_times})
+        self.progress.report_step_end()
 
     def _reduce_losses(self, loss: torch.Tensor, global_valid, batch_valid: torch.Tensor) -> tuple[float, float]:
         """(global mean, max over data-parallel batches of the batch mean) from this rank's

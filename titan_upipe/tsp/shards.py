@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import check_sequence_length
+from titan_upipe.parallel.cp_layout import check_sequence_length, sequence_divisor
 
 Tensor = torch.Tensor
 
@@ -37,19 +37,22 @@ def tsp_problems(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_l
     if degree < 1:
         return [f"TSP degree must be >= 1, got {degree}"]
 
-    def fitting(n: int) -> str:
-        return ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+    # The degrees > 1 that split every dimension at once (and the sequence): one list for every problem.
+    fitting = [d for d in range(2, n_kv_heads + 1) if not (n_heads % d or n_kv_heads % d or ffn_dim % d)
+               and (seq_len is None or seq_len % sequence_divisor(d, d, 1) == 0)]
+    fix = ("no degree > 1 splits this model" if not fitting else f"use {fitting[0]}" if len(fitting) == 1
+           else f"use one of {', '.join(map(str, fitting))}")
 
     problems = []
     if n_heads % degree:
         problems.append(f"TSP degree {degree} does not divide the {n_heads} query heads (each rank owns H/D heads): "
-                        f"use one of {fitting(n_heads)}")
+                        f"{fix}")
     if n_kv_heads % degree:
         problems.append(f"TSP degree {degree} does not divide the {n_kv_heads} KV heads (each rank owns K/D KV "
-                        f"heads, so GQA groups stay on one rank): use one of {fitting(n_kv_heads)}")
+                        f"heads, so GQA groups stay on one rank): {fix}")
     if ffn_dim % degree:
         problems.append(f"TSP degree {degree} does not divide the FFN width {ffn_dim} (each rank owns F/D hidden "
-                        f"units of w1/w2/w3): use a divisor of {ffn_dim}")
+                        f"units of w1/w2/w3): {fix}")
     if seq_len is not None:
         try:  # TSP's zigzag over D ranks: the ring's rule
             check_sequence_length(seq_len, degree, 1)

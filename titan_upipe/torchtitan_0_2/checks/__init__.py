@@ -15,6 +15,7 @@ parallelism      ``[parallelism]`` degrees and world size; ``[upipe]``/``[tsp]``
 model            ``[model]`` converters and the flavor's masks, ``[transforms]``, ``[compile]``,
                  the kernel of ``[upipe] attention_backend``
 training         ``[training]``, ``[validation]``, ``[activation_checkpoint]``, ``[optimizer]``
+ignored          plugin keys with no effect in the job's layout: warnings (``config_warnings``)
 ===============  ===========================================================================
 """
 
@@ -57,6 +58,7 @@ JOB_CHECKS: tuple[JobCheck, ...] = (
     model.check_compile,
     training.check_activation_checkpointing,
     training.check_optimizer,
+    training.check_metrics,
 )
 """Every job-level check, in the order a launch meets them: ``check_job`` stops at the first
 problem, ``titan_upipe.validate`` reports them all."""

@@ -12,6 +12,7 @@ from titan_upipe.attention.documents import document_kernel_problem
 from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET
 from titan_upipe.errors import ConfigError, did_you_mean
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
+from titan_upipe.torchtitan_0_2.checks.ignored import ignored_settings
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim, packs_documents
@@ -161,13 +162,16 @@ PLUGIN_IMPORT = "titan_upipe.plugin"
 
 
 def config_warnings(job_config) -> list[str]:
-    """Settings that run under ``-m titan_upipe.train`` but not under every launch.
+    """Settings that run, but not as written: ``titan_upipe.validate`` prints these, and the
+    trainer should log them once (rank 0) at launch.
 
-    ``custom_import = "titan_upipe"`` registered the plugin while importing the package did; now
-    it registers nothing, so ``-m torchtitan.train`` would fail to find the train specs (before
-    any check of ours runs). ``titan_upipe.validate`` prints these."""
+    * Settings with no effect in this job's layout (``checks.ignored.ignored_settings``).
+    * ``custom_import = "titan_upipe"`` registered the plugin while importing the package did; now
+      it registers nothing, so ``-m torchtitan.train`` would fail to find the train specs (before
+      any check of ours runs)."""
+    warnings = ignored_settings(job_config)
     if getattr(job_config.experimental, "custom_import", "") == "titan_upipe":
-        return [f"experimental.custom_import = 'titan_upipe' no longer registers the plugin (importing the package "
-                f"has no side effects): -m torchtitan.train needs {PLUGIN_IMPORT!r}; -m titan_upipe.train "
-                "registers it either way"]
-    return []
+        warnings.append(f"experimental.custom_import = 'titan_upipe' no longer registers the plugin (importing the "
+                        f"package has no side effects): -m torchtitan.train needs {PLUGIN_IMPORT!r}; "
+                        "-m titan_upipe.train registers it either way")
+    return warnings

@@ -1,8 +1,10 @@
-"""Job checks of ``[training]``, ``[validation]``, ``[activation_checkpoint]`` and ``[optimizer]``."""
+"""Job checks of ``[training]``, ``[validation]``, ``[activation_checkpoint]``, ``[optimizer]`` and the
+plugin's ``[metrics]`` fields."""
 
 from __future__ import annotations
 
 import csv
+import math
 
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -15,9 +17,11 @@ from titan_upipe.resources import resource
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout, data_parallel_degree
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
+    MetricsConsole,
     OptimizerHostState,
     plugin_fields,
 )
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
 
 POSITIVE_TRAINING_KEYS = {
     "local_batch_size": "sequences per data-parallel rank",
@@ -67,13 +71,14 @@ def check_offload(job_config, world_size: int) -> None:
         raise ConfigError(f"invalid activation_checkpoint.resident_blocks = {resident!r}: valid values are 0 (every "
                           "block input offloaded) or a positive number of last blocks kept on the device")
     if not offload.cpu_offload:
+        # it would change nothing: no block input is offloaded
+        enable = "activation_checkpoint.cpu_offload = true" + ("" if ac.mode == "full" else ' (and mode = "full")')
         if resident:
             raise ConfigError("activation_checkpoint.resident_blocks keeps some offloaded block inputs on the device: "
-                              "set activation_checkpoint.cpu_offload = true (and mode = \"full\") or drop it")
-        if late:  # it would change nothing: no block input is offloaded
+                              f"set {enable} or drop it")
+        if late:
             raise ConfigError("activation_checkpoint.prefetch_after_attention = true times the prefetch of offloaded "
-                              "block inputs: set activation_checkpoint.cpu_offload = true (and mode = \"full\") "
-                              "or drop it")
+                              f"block inputs: set {enable} or drop it")
         return
     if ac.mode != "full":
         raise ConfigError(
@@ -87,6 +92,17 @@ def check_offload(job_config, world_size: int) -> None:
     if not isinstance(offload.pin_memory, bool):
         raise ConfigError(f"invalid activation_checkpoint.pin_memory = {offload.pin_memory!r}: valid values are true, "
                           "false")
+    check_resident_blocks(job_config, resident)
+
+
+def check_resident_blocks(job_config, resident: int) -> None:
+    """``resident_blocks`` at most the flavor's block count (all of them: nothing offloaded, which
+    ``checks.ignored`` warns about)."""
+    n_layers = flavor_args(job_config, update=False).n_layers
+    if resident > n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.resident_blocks = {resident} is more than the {n_layers} blocks of model.flavor "
+            f"{job_config.model.flavor!r}: valid values are 0 to {n_layers} ({n_layers}: no block input offloaded)")
 
 
 def check_optimizer(job_config, world_size: int) -> None:
@@ -179,10 +195,21 @@ def check_activation_checkpointing(job_config, world_size: int) -> None:
             "activation_checkpoint.mode = \"full\", or \"none\" for short debug runs")
     ranks, selective, full, offloaded = measured[mode]
     default = "; TorchTitan's default when the TOML has no [activation_checkpoint] section" if option == "2" else ""
+    offload = ("" if plugin_fields(ac, ActivationCheckpointOffload).cpu_offload
+               else " (with activation_checkpoint.cpu_offload = true for long contexts)")
     raise ConfigError(
         f"activation_checkpoint.mode = \"selective\" (selective_ac_option = \"{option}\"{default}) checkpoints one "
         f"block in {option} and keeps the other blocks' activations, too many for {mode} at long contexts "
         f"(Llama3-8B, 1M tokens, {ranks} ranks: {selective} GiB per rank against {full} with full AC and {offloaded} "
-        "offloaded; docs/benchmarks/selective_ac.md): set activation_checkpoint.mode = \"full\" (with "
-        "activation_checkpoint.cpu_offload = true for long contexts), or \"none\" for short debug runs"
+        f"offloaded; docs/benchmarks/selective_ac.md): set activation_checkpoint.mode = \"full\"{offload}, or "
+        "\"none\" for short debug runs"
     )
+
+
+def check_metrics(job_config, world_size: int) -> None:
+    """The plugin's ``[metrics]`` fields: ``progress_after_seconds`` is a number of seconds >= 0."""
+    value = plugin_fields(job_config.metrics, MetricsConsole).progress_after_seconds
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok:
+        raise ConfigError(f"invalid metrics.progress_after_seconds = {value!r}: valid values are 0 (every step) or "
+                          f"a positive number of seconds; set e.g. {MetricsConsole.progress_after_seconds}")
