@@ -78,6 +78,7 @@ from titan_upipe.attention.kernel_speed import (
 )
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.plan.units import format_length
 from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
     DENSE_LENGTHS,
@@ -109,10 +110,7 @@ REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
 STAGES = ("kernels", "attention", "memory", "speed", "tsp")
 DEFAULT_BUDGET_S = 540
 
-K, M = 1024, 1024 * 1024
-LENGTHS = {"128K": 128 * K, "256K": 256 * K, "512K": 512 * K, "1M": M, "2M": 2 * M, "3M": 3 * M, "4M": 4 * M,
-           "5M": 5 * M, "6M": 6 * M, "7M": 7 * M, "8M": 8 * M}
-NAMES = {tokens: name for name, tokens in LENGTHS.items()}
+LENGTHS = {name: parse_length(name) for name in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")}
 MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
 """128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
 MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
@@ -384,7 +382,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (text := args.lengths) is not None:  # "1M,131072" -> ("1M", "128K"), read by the one length parser
         try:
-            args.lengths = tuple(NAMES.get(parse_length(x), x.strip()) for x in text.split(",") if x.strip())
+            args.lengths = tuple(format_length(parse_length(x)) for x in text.split(",") if x.strip())
         except ValueError as err:
             parser.error(f"--lengths: {err}")
         if not args.lengths or any(x not in LENGTHS for x in args.lengths):
