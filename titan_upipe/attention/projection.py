@@ -46,16 +46,20 @@ def rotate(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Ten
     cache = qwen3_model.reshape_for_broadcast(table, x, positions)
     cos = cache[..., :head_dim].to(dtype=x.dtype, device=x.device)
     sin = cache[..., head_dim:].to(dtype=x.dtype, device=x.device)
+    del cache  # the gathered fp32 rows (twice cos and sin in bf16): not live through the products
     return ((x * cos) + (qwen3_model.rotate_half(x) * sin)).type_as(x)
 
 
-def _table_rows(table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 (cos, sin) ``[P, L, D/2]`` of ``positions`` ``[P, L]`` (P = 1 or B)."""
-    rows = table[positions]
-    if rows.is_complex():
+def _table_rows(table: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(cos, sin) ``[P, L, D/2]`` of ``positions`` ``[P, L]`` (P = 1 or B): fp32 from the complex
+    table; from the real ``cos||sin`` one rounded to ``dtype`` (x's), as :func:`rotate` and
+    TorchTitan's Qwen3 RoPE round them (the table itself stays fp32: FSDP does not cast it)."""
+    if table.is_complex():
+        rows = table[positions]
         return rows.real, rows.imag
-    half = rows.shape[-1] // 4  # cos(D) || sin(D), each half of D repeated
-    return rows[..., :half], rows[..., 2 * half : 3 * half]
+    quarter = table.shape[-1] // 4  # cos(D) || sin(D), each half of D repeated
+    return (table[:, :quarter][positions].to(dtype),
+            table[:, 2 * quarter : 3 * quarter][positions].to(dtype))
 
 
 ROTATE_CHUNKS = 8
@@ -68,10 +72,11 @@ def rotate_(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Te
     The same products and sums as TorchTitan's complex multiply (Llama3) and ``rotate_half``
     (Qwen3) formulas, each product rounded on its own (no fused multiply-add), so in fp32 the
     result equals TorchTitan's bit for bit; in bf16 it is rounded once to x's dtype (Qwen3 in
-    bf16 rounds each op to bf16; the difference is within one bf16 ulp). Temporaries:
+    bf16 rounds each op to bf16; the difference is within one bf16 ulp), from Qwen3's cos/sin
+    rounded to x's dtype as TorchTitan's. Temporaries:
     2.5/ROTATE_CHUNKS of one head in fp32.
     """
-    cos, sin = _table_rows(table, positions)
+    cos, sin = _table_rows(table, positions, x.dtype)
     if kind is RotaryKind.COMPLEX:  # interleaved (re, im) pairs
         pairs = x.unflatten(-1, (-1, 2))
         first, second = pairs[..., 0], pairs[..., 1]

@@ -15,15 +15,11 @@ converters is rejected (``validation.check_job``) with the settings to use inste
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import (
-    apply_compile,
-    apply_fsdp,
-    disable_fsdp_gradient_division,
-)
+from torchtitan.models.llama3.infra.parallelize import apply_compile, disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
 from titan_upipe.torchtitan_0_2 import cpu_runtime
@@ -61,21 +57,11 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
 
     tsp_weights = tsp_sharded_parameters(model)
     if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(model, parallel_dims.get_mesh(names), job_config, ignored_params=set(tsp_weights) or None)
+        applied = str(names)
         if tsp_weights:
-            apply_fsdp_beside_tsp(model, parallel_dims.get_mesh("fsdp"), job_config, set(tsp_weights))
-            applied = f"the CP ranks, every parameter but the {len(tsp_weights)} TSP-sharded weights"
-        else:
-            names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-            apply_fsdp(
-                model,
-                parallel_dims.get_mesh(names),
-                param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-                reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-                pp_enabled=False,
-                cpu_offload=job_config.training.enable_cpu_offload,
-                reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-            )
-            applied = str(names)
+            applied += f" (the CP ranks), every parameter but the {len(tsp_weights)} TSP-sharded weights"
         if cpu_runtime.is_active():
             cpu_runtime.force_sum_reductions(model)
         logger.info("Applied FSDP over %s", applied)
@@ -87,25 +73,41 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     return model
 
 
-def apply_fsdp_beside_tsp(model: nn.Module, mesh, job_config: JobConfig, tsp_weights: set[nn.Parameter]) -> None:
-    """FSDP as TorchTitan's ``apply_fsdp`` wraps a Llama3/Qwen3 model (embedding, each block, final
-    norm + output, the root), over ``mesh``, with ``tsp_weights`` ignored at every level: they
-    are already sharded over the CP ranks (DTensors on the TSP mesh) and their gradients are
-    complete at their owners. The rest (embedding, norms, qk-norms, output), replicated over the
-    CP ranks, is sharded and its gradients summed by FSDP as in every other mode. The TSP
-    modules cast their fp32 weights to the activations' dtype themselves (FSDP's mixed precision
-    does not see them) and return fp32 gradients."""
+def apply_fsdp(model: nn.Module, mesh, job_config: JobConfig,
+               ignored_params: set[nn.Parameter] | None = None) -> None:
+    """FSDP2 over ``mesh`` as TorchTitan's ``apply_fsdp`` wraps a Llama3/Qwen3 model: the embedding,
+    each block, the final norm with the output (resharded after forward only with policy
+    ``always``), the root; ``training.mixed_precision_*`` dtypes, ``training.enable_cpu_offload``,
+    ``parallelism.fsdp_reshard_after_forward`` (no pipeline parallelism: ``default`` reshards).
+
+    Two differences. ``ignored_params`` (TSP's weights) are left out at every level: they are
+    already sharded over the CP ranks (DTensors on the TSP mesh), their gradients complete at
+    their owners; the TSP modules cast them to the activations' dtype themselves and return fp32
+    gradients. And the blocks do not cast their forward inputs to the parameter dtype
+    (``cast_forward_inputs=False``): their floating-point inputs are the residual stream, already
+    in that dtype (the embedding ran with cast parameters), and the RoPE table, which FSDP would
+    copy per block: Qwen3's fp32 ``cos||sin`` ``[S, 2D]`` (with ``fused_rope`` this rank's rows
+    ``[T, 2D]``), every copy kept to the block's backward under offloaded full AC (``L T 4D``
+    bytes, ~10 GiB per rank for Qwen3-32B at 2.5M tokens on 8 ranks). Every RoPE consumer rounds
+    cos/sin to the activations' dtype itself (TorchTitan's ``apply_rotary_emb``,
+    ``projection.rotate``/``rotate_``) and rounding commutes with selecting rows, so the result is
+    bit for bit the cast's. Llama3's complex64 ``freqs_cis`` is never cast (not floating point)."""
     policy = job_config.parallelism.fsdp_reshard_after_forward
     if policy not in ("default", "always", "never"):
         raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: valid values are default, always, "
                           "never")
     reshard = policy != "never"
-    config = {"mesh": mesh, "ignored_params": tsp_weights,
-              "mp_policy": MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-                                                reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce])}
-    fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    dtypes = {"param_dtype": TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+              "reduce_dtype": TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]}
+    config = {"mesh": mesh, "ignored_params": ignored_params, "mp_policy": MixedPrecisionPolicy(**dtypes)}
+    if job_config.training.enable_cpu_offload:
+        config["offload_policy"] = CPUOffloadPolicy()
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
+    block_policy = MixedPrecisionPolicy(**dtypes, cast_forward_inputs=False)
     for block in model.layers.values():
-        fully_shard(block, **config, reshard_after_forward=reshard)
-    fully_shard([model.norm, model.output], **config, reshard_after_forward=policy == "always")
+        fully_shard(block, **{**config, "mp_policy": block_policy}, reshard_after_forward=reshard)
+    if model.norm is not None and model.output is not None:
+        fully_shard([model.norm, model.output], **config, reshard_after_forward=policy == "always")
     fully_shard(model, **config)
     disable_fsdp_gradient_division(model)
