@@ -297,7 +297,7 @@ def _owner_sums_on_rank(rank, pool_size, mesh):
     import functools
 
     import titan_upipe.tsp.attention as tsp_attention_module
-    from titan_upipe.tsp.grad_sum import fp32_summed_uses
+    from titan_upipe.tsp.grad_sum import iter_fp32_summed_uses
 
     world, dtype = 3, torch.bfloat16
     group = dist.new_group(list(range(world)))
@@ -314,19 +314,20 @@ def _owner_sums_on_rank(rank, pool_size, mesh):
         uses = []
 
         def spy(t, n, variant=variant, uses=uses):
-            aliases = fp32_summed_uses(t, n) if variant == "fp32 chain" else [t.view_as(t) for _ in range(n)]
+            # the aliases as the attention asks for them, one per owner (the code's lazy order)
+            aliases = iter_fp32_summed_uses(t, n) if variant == "fp32 chain" else (t.view_as(t) for _ in range(n))
             grads = {}
+            uses.append((t, grads, n))
             for i, alias in enumerate(aliases):
                 alias.register_hook(lambda grad, i=i, grads=grads: grads.__setitem__(i, grad.clone()))
-            uses.append((t, grads, n))
-            return aliases
+                yield alias
 
-        original, tsp_attention_module.fp32_summed_uses = tsp_attention_module.fp32_summed_uses, spy
+        original, tsp_attention_module.iter_fp32_summed_uses = tsp_attention_module.iter_fp32_summed_uses, spy
         try:
             _run_tsp_attention(rank, group, "qwen3", module, table, shards, layout, layout.shard(x, rank, seq_dim=1),
                                layout.shard(grad_y, rank, seq_dim=1), dtype, layout.positions(rank)[None])
         finally:
-            tsp_attention_module.fp32_summed_uses = original
+            tsp_attention_module.iter_fp32_summed_uses = original
         checks = []
         for t, grads, n in uses:
             per_use = [grads[i] for i in range(n)]
@@ -353,7 +354,7 @@ def test_tsp_sums_each_owners_gradient_in_fp32():
 
 def _owner_sum_backward_peaks(rank, world, mesh):
     """Backward peak of bf16 TSP attention (live-tensor tracker) with the fp32 owner sums and with
-    autograd's own bf16 sums (``fp32_summed_uses`` replaced by plain uses), and the rank's |X|. Each
+    autograd's own bf16 sums (``iter_fp32_summed_uses`` replaced by plain uses), and the rank's |X|. Each
     the least of three runs: a collective's buffers are sometimes released a moment later (gloo's
     worker thread holds them), which adds one K/V gather or gradient buffer to a single run."""
     import gc
@@ -369,9 +370,9 @@ def _owner_sum_backward_peaks(rank, world, mesh):
     x = layout.shard(torch.randn(1, seq, module.wq.in_features), rank, seq_dim=1).to(torch.bfloat16)
     packed = shards.pack_attention(module.wq.weight, module.wk.weight, module.wv.weight, module.wo.weight, rank)
     peaks = {}
-    original = tsp_attention_module.fp32_summed_uses
-    for name, uses in (("fp32", original), ("autograd", lambda t, n: [t] * n)):
-        tsp_attention_module.fp32_summed_uses = uses
+    original = tsp_attention_module.iter_fp32_summed_uses
+    for name, uses in (("fp32", original), ("autograd", lambda t, n: iter([t] * n))):
+        tsp_attention_module.iter_fp32_summed_uses = uses
         try:
             for _ in range(3):
                 x_in, weights = x.clone().requires_grad_(True), packed.detach().to(torch.bfloat16).requires_grad_(True)
@@ -388,7 +389,7 @@ def _owner_sum_backward_peaks(rank, world, mesh):
                     gc.enable()
                 peaks[name] = min(peaks.get(name, mem.peak_bytes), mem.peak_bytes)
         finally:
-            tsp_attention_module.fp32_summed_uses = original
+            tsp_attention_module.iter_fp32_summed_uses = original
     return peaks, x.numel()
 
 

@@ -41,7 +41,7 @@ from titan_upipe.tsp.collectives import (
     start_all_gather,
     start_broadcast,
 )
-from titan_upipe.tsp.grad_sum import fp32_summed_uses
+from titan_upipe.tsp.grad_sum import iter_fp32_summed_uses
 from titan_upipe.tsp.shards import TSPShards
 
 Tensor = torch.Tensor
@@ -169,8 +169,9 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
         return start_broadcast(packed, owner, group, x.dtype) if overlap and owner < shards.degree else None
 
     # x and the qk-norm weights are used once per owner: their gradients sum over the owners in fp32
-    xs = fp32_summed_uses(x, shards.degree)
-    q_norms, k_norms = ((fp32_summed_uses(q_norm, shards.degree), fp32_summed_uses(k_norm, shards.degree))
+    # (made lazily, one per owner: each owner's gradient joins the fp32 sum as soon as its backward is done)
+    xs = iter_fp32_summed_uses(x, shards.degree)
+    q_norms, k_norms = ((iter_fp32_summed_uses(q_norm, shards.degree), iter_fp32_summed_uses(k_norm, shards.degree))
                         if q_norm is not None else ([None] * shards.degree,) * 2)
     y, next_weights = None, start_weights(0)
     for owner, (x_use, q_norm_use, k_norm_use) in enumerate(zip(xs, q_norms, k_norms, strict=True)):

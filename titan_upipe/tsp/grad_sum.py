@@ -22,6 +22,8 @@ the chain (the gradient of the last use in backward order starts it). The aliase
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 Tensor = torch.Tensor
@@ -61,14 +63,23 @@ class _Use(torch.autograd.Function):
         return later.add_(grad), None
 
 
+def iter_fp32_summed_uses(t: Tensor, n: int) -> Iterator[Tensor]:
+    """The aliases of :func:`fp32_summed_uses`, each made when it is asked for. Made inside the loop
+    over the uses, each ``_Use`` is newer than the uses before it and older than its own: autograd
+    (newest node first) then adds every use's gradient into the fp32 sum as soon as that use's
+    backward is done, instead of after all of them (``n - 1`` gradients of ``t``'s size waiting in
+    the engine's buffers). The same sums in the same order: bitwise the same gradient."""
+    if n == 1 or torch.finfo(t.dtype).bits >= 32 or not (torch.is_grad_enabled() and t.requires_grad):
+        yield from [t] * n
+        return
+    carrier = _Source.apply(t)
+    for _ in range(n):
+        carrier, alias = _Use.apply(carrier, t.detach())
+        yield alias
+
+
 def fp32_summed_uses(t: Tensor, n: int) -> list[Tensor]:
     """``n`` aliases of ``t`` whose gradients reach ``t`` summed in fp32 and rounded once (module
     docstring); ``[t] * n`` where no gradient is recorded or ``t``'s dtype is fp32 or wider (autograd's
     own sum is that precise)."""
-    if n == 1 or torch.finfo(t.dtype).bits >= 32 or not (torch.is_grad_enabled() and t.requires_grad):
-        return [t] * n
-    carrier, uses = _Source.apply(t), []
-    for _ in range(n):
-        carrier, alias = _Use.apply(carrier, t.detach())
-        uses.append(alias)
-    return uses
+    return list(iter_fp32_summed_uses(t, n))
