@@ -98,3 +98,15 @@ def test_simulate_ring_bounds():
     balanced = np.full((4, 4), 10.0)
     assert simulate_ring(balanced) == 40.0
     assert simulate_ring(balanced, comm=15.0) == 3 * 15.0 + 10.0  # comm-bound: the last step computes
+
+
+def test_long_documents_never_overfill_a_rank():
+    """Cuts at ``n p / 2R`` round a document's share up on the same rank document after document (9
+    tokens over 2R = 4 pieces: 2, 2, 2, 3, rank 0's pieces 0 and 3 = 5 of 9): two such documents
+    gave rank 0 ten tokens of S/R = 9. The leftover tokens now go to the ranks in turn."""
+    for lengths, R in (([9, 9], 2), ([9] * 8, 2), ([13, 13, 13, 13, 12], 4), ([7] * 16, 4)):
+        if sum(lengths) % R:
+            continue
+        rows = document_zigzag_intervals(lengths, R, min_split=1)
+        held = np.bincount(rows[:, 2], weights=rows[:, 1] - rows[:, 0], minlength=R)
+        assert (held == sum(lengths) // R).all(), (lengths, held)

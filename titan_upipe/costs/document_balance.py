@@ -245,17 +245,28 @@ def document_zigzag_intervals(lengths: Sequence[int], ring_size: int, min_split:
     rows: list[tuple[int, int, int]] = []
     room = np.full(R, seq_len // R, dtype=np.int64)
     short: list[tuple[int, int]] = []
+    next_extra = 0  # the ranks take the documents' leftover tokens in turn, across documents
     for d in range(len(bounds) - 1):
         a, b = int(bounds[d]), int(bounds[d + 1])
         if b - a < min_split:
             short.append((a, b))
             continue
-        cut = a + ((b - a) * np.arange(2 * R + 1)) // (2 * R)
+        # 2R pieces of q tokens; the n mod 2R left over go one each to the next ranks in turn (a
+        # rank's first piece, then its second), so the ranks' long-document totals never differ by
+        # more than one token and none exceeds S/R (a cut at n p / 2R could round up on one rank
+        # document after document and overfill it)
+        q, extra = divmod(b - a, 2 * R)
+        extras = np.zeros(R, dtype=np.int64)
+        for i in range(extra):
+            extras[(next_extra + i) % R] += 1
+        next_extra = (next_extra + extra) % R
+        sizes = q + np.where(np.arange(2 * R) < R, extras[owner_of_piece] >= 1, extras[owner_of_piece] == 2)
+        cut = a + np.concatenate([[0], np.cumsum(sizes)])
         for p in range(2 * R):
             rows.append((int(cut[p]), int(cut[p + 1]), int(owner_of_piece[p])))
             room[owner_of_piece[p]] -= cut[p + 1] - cut[p]
     if (room < 0).any():
-        raise ValueError("long documents overfill a rank (cannot happen with R | S)")
+        raise AssertionError("long documents overfill a rank")
     if greedy_fill and short:
         load = np.zeros(R)
         for row in rows:

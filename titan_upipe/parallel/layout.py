@@ -99,15 +99,15 @@ class ContiguousLayout:
         return torch.cat(list(shards), dim=seq_dim)
 
 
-@dataclass(frozen=True)
-class ZigzagLayout:
-    """Zigzag over ``ring_size`` ring ranks, contiguous over ``ulysses_size`` ranks within each."""
+class RingUlyssesRanks:
+    """The sizes a layout over ``ring_size`` ring x ``ulysses_size`` Ulysses ranks shares (CP rank
+    ``ring_rank * U + ulysses_rank``); the dataclass using it declares the three fields."""
 
     seq_len: int
     ring_size: int
-    ulysses_size: int = 1
+    ulysses_size: int
 
-    def __post_init__(self) -> None:
+    def _check_degrees(self) -> None:
         if self.ring_size < 1 or self.ulysses_size < 1:
             raise ConfigError(f"ring and ulysses degrees must be >= 1, got {self.ring_size} x {self.ulysses_size}")
         check_sequence_length(self.seq_len, self.ring_size, self.ulysses_size)
@@ -120,6 +120,22 @@ class ZigzagLayout:
     def local_len(self) -> int:
         return self.seq_len // self.world_size
 
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+
+
+@dataclass(frozen=True)
+class ZigzagLayout(RingUlyssesRanks):
+    """Zigzag over ``ring_size`` ring ranks, contiguous over ``ulysses_size`` ranks within each."""
+
+    seq_len: int
+    ring_size: int
+    ulysses_size: int = 1
+
+    def __post_init__(self) -> None:
+        self._check_degrees()
+
     @property
     def chunk_len(self) -> int:
         """Tokens per zigzag chunk, ``S / (2R)``."""
@@ -128,10 +144,6 @@ class ZigzagLayout:
     def ring_chunks(self, ring_rank: int) -> tuple[int, int]:
         """The two zigzag chunks ring rank ``ring_rank`` owns, in ring-local order."""
         return zigzag_chunks(ring_rank, self.ring_size)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
 
     def _ring_local_to_global(self, ring_rank: int, index: torch.Tensor | int):
         first, second = self.ring_chunks(ring_rank)
@@ -167,14 +179,24 @@ class ZigzagLayout:
         return self._ring_local_to_global(ring_rank, ring_local)
 
     def shard(self, t: torch.Tensor, rank: int, seq_dim: int) -> torch.Tensor:
-        if t.shape[seq_dim] != self.seq_len:
-            raise ConfigError(f"dim {seq_dim} has {t.shape[seq_dim]} tokens, the layout {self.seq_len}")
-        return t.index_select(seq_dim, self.positions(rank, device=t.device))
+        return shard_at_positions(self, t, rank, seq_dim)
 
     def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
         """The full sequence from every rank's shard, given in CP rank order."""
-        if len(shards) != self.world_size:
-            raise ValueError(f"{len(shards)} shards for {self.world_size} ranks")
-        in_layout_order = torch.cat(list(shards), dim=seq_dim)
-        order = torch.cat([self.positions(r, device=in_layout_order.device) for r in range(self.world_size)])
-        return in_layout_order.index_select(seq_dim, torch.argsort(order))
+        return unshard_from_positions(self, shards, seq_dim)
+
+
+def shard_at_positions(layout: SequenceLayout, t: torch.Tensor, rank: int, seq_dim: int) -> torch.Tensor:
+    """``rank``'s tokens of ``t`` (``seq_len`` along ``seq_dim``): those at ``layout.positions(rank)``."""
+    if t.shape[seq_dim] != layout.seq_len:
+        raise ConfigError(f"dim {seq_dim} has {t.shape[seq_dim]} tokens, the layout {layout.seq_len}")
+    return t.index_select(seq_dim, layout.positions(rank, device=t.device))
+
+
+def unshard_from_positions(layout: SequenceLayout, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
+    """The full sequence from every rank's shard, in CP rank order: the inverse of the positions' permutation."""
+    if len(shards) != layout.world_size:
+        raise ValueError(f"{len(shards)} shards for {layout.world_size} ranks")
+    in_layout_order = torch.cat(list(shards), dim=seq_dim)
+    order = torch.cat([layout.positions(r, device=in_layout_order.device) for r in range(layout.world_size)])
+    return in_layout_order.index_select(seq_dim, torch.argsort(order))
