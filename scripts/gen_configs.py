@@ -20,8 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 K, M = 1024, 1024 * 1024
-LENGTH_NAMES = {128 * K: "128k", 256 * K: "256k", 512 * K: "512k", M: "1m", 2 * M: "2m", 3 * M: "3m",
-                4 * M: "4m", 5 * M: "5m", 6 * M: "6m", 7 * M: "7m", 8 * M: "8m"}
+LENGTH_NAMES = {128 * K: "128k", 256 * K: "256k", 512 * K: "512k", M: "1m", 2 * M: "2m", 5 * M // 2: "2_5m",
+                3 * M: "3m", 4 * M: "4m", 5 * M: "5m", 6 * M: "6m", 7 * M: "7m", 8 * M: "8m"}
+"""File-name part of each length (``2_5m``: 2.5M = 2,621,440 tokens; ``length_label`` writes it ``2.5M``)."""
+
+
+def length_label(seq: int) -> str:
+    """The length as the descriptions and ``--seq-len`` write it: 128K, 1M, 2.5M."""
+    return LENGTH_NAMES[seq].replace("_", ".").upper()
+
 
 MEMORY_TRANSFORMS = ["tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce"]
 
@@ -200,10 +207,10 @@ def gpu_recipes() -> list[Recipe]:
     paper = dict(extra_converters=tuple(MEMORY_TRANSFORMS), offload=True)
 
     def add(model: Model, folder: str, method: str, seq: int, ranks: int, ulysses: int = 0,
-            overrides: dict[str, dict[str, object]] | None = None, note: str = "") -> None:
-        path = f"configs/{folder}/{method}_{LENGTH_NAMES[seq]}.toml"
+            overrides: dict[str, dict[str, object]] | None = None, note: str = "", stem: str = "") -> None:
+        path = f"configs/{folder}/{stem or method}_{LENGTH_NAMES[seq]}.toml"
         layout = f"ulysses {ulysses} x ring {ranks // ulysses}" if ulysses else f"CP {ranks}"
-        description = (f"{model.description}, {method} ({layout}), {LENGTH_NAMES[seq].upper()} tokens on {ranks} GPUs; "
+        description = (f"{model.description}, {method} ({layout}), {length_label(seq)} tokens on {ranks} GPUs; "
                        "FSDP, bf16, offloaded full AC, tiled MLP/RMSNorm, fused RoPE/CE" + (f"; {note}" if note else ""))
         recipes.append(Recipe(path, model, method, seq, ranks, ulysses_degree=ulysses, launch=_gpu_launch(ranks, path),
                               description=description, overrides=overrides or {}, **paper))
@@ -237,6 +244,26 @@ def gpu_recipes() -> list[Recipe]:
     add(QWEN3_32B, "qwen3_32b", "upipe_usp", 6 * M, 16, ulysses=8,
         overrides={"activation_checkpoint": {"prefetch_after_attention": True, "resident_blocks": 1}},
         note="inputs prefetched after the attention backward, the last block's input on the device")
+    # Qwen3-32B on one 8-GPU node (issue 34, planner predictions; the paper ran it on 16 GPUs):
+    # AdamW's moments on the host at every length (as configured the GPU fits only 1,030,776 tokens).
+    # 2M and 2.5M save checkpoints synchronously: an async save stages the state shards (366 GiB
+    # per node) beside the offloaded inputs, over 1,900 GiB. At 2.5M the last two blocks keep their
+    # inputs on the device: 50 GiB more host headroom (20 -> 70 GiB, for what the planner does not
+    # count: the processes, the loader), no step time, and no device memory at the peak (block 1's
+    # MLP backward, after those inputs are freed). docs/planner.md, "Qwen3-32B on one 8-GPU node".
+    # peak: the planner's per GPU; host: per node as `validate` counts it (offloaded inputs, the
+    # moments, an async save's staging); tests/test_recipes.py recomputes both.
+    for seq, peak, host in ((M, 47.7, 1670), (2 * M, 58.6, 1560), (5 * M // 2, 64.1, 1830)):
+        one_node: dict[str, dict[str, object]] = {"optimizer": {"state_on_host": True}}
+        if seq > M:
+            one_node["checkpoint"] = {"async_mode": "disabled"}
+        if seq > 2 * M:
+            one_node["activation_checkpoint"] = {"resident_blocks": 2}
+        add(QWEN3_32B, "qwen3_32b", "upipe", seq, 8, stem="upipe_8gpu", overrides=one_node,
+            note="AdamW moments on the host" + ("; synchronous checkpoints" if seq > M else "")
+                 + ("; the last 2 blocks' inputs on the device" if seq > 2 * M else "")
+                 + f"; planner prediction, not yet measured on a GPU: peak {peak} GiB per GPU (of 80), "
+                   f"host {host:,} GiB per node (of 1,900)")
     return recipes
 
 

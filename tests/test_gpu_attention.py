@@ -210,7 +210,7 @@ def test_next_takes_the_first_pending_item_that_fits_and_never_retries_one():
     memory_5m = next(i for i in items if i.name == "memory llama3_8b upipe 5M")
     attempted = {i.name for i in items[: items.index(memory_5m)]}
     after = gpu_queue.next_item(items, [], 540, attempted)
-    assert after.name == "memory qwen3_32b upipe_usp 1M"  # 5M does not fit a 10-minute call: passed over
+    assert after.name == "memory qwen3_32b upipe_8gpu 2.5M"  # 5M does not fit a 10-minute call: passed over
     assert gpu_queue.next_item(items, [], 10, set()) is None
 
 

@@ -72,6 +72,82 @@ def test_memory_plan_covers_the_issue():
     assert all("--n-layers" in r.argv for r in runs)
 
 
+def test_the_queue_runs_qwen3_32b_on_one_node_after_the_llama3_memory_lengths():
+    """Issue 34: item 5 of the queue is the memory stage on the 2.5M one-node Qwen3-32B recipe, right
+    after the Llama3-8B memory lengths (item 4) and before the 16-GPU Qwen3-32B ones; its child call's
+    arguments parse, and the module docstring's table says the same."""
+    from titan_upipe.tools import gpu_queue
+
+    names = [i.name for i in gpu_queue.build_queue(lambda stage, lengths, select: 100.0, "sdpa", ("sdpa",))]
+    assert names == ["kernels", "attention 128K", "attention 1M", "speed 128K (sdpa)", "speed 1M (sdpa)",
+                     "speed 2M (sdpa)", "memory llama3_8b upipe 3M", "memory llama3_8b upipe 4M",
+                     "memory llama3_8b upipe 5M", "memory qwen3_32b upipe_8gpu 2.5M",
+                     *(f"memory qwen3_32b upipe_usp {x}" for x in ("1M", "2M", "3M", "4M")),
+                     "tsp llama3_8b 128K", "tsp llama3_8b 1M", "tsp llama3_8b 2M", "attention 2M"]
+    items = gpu_queue.build_queue(lambda stage, lengths, select: 100.0, "sdpa", ("sdpa",))
+    item = next(i for i in items if i.name == "memory qwen3_32b upipe_8gpu 2.5M")
+    assert item.argv == ("--stage", "memory", "--lengths", "2.5M", "--select", "qwen3_32b upipe_8gpu")
+    args = gpu_suite.parse_args([*item.argv, "--budget-s", "540"])
+    assert args.lengths == ("2.5M",) and args.select == "qwen3_32b upipe_8gpu"
+    run = {"name": "qwen3_32b upipe_8gpu 2.5M", "measurement": {"x": 1}}
+    assert not item.done([]) and item.done([{"stage": "memory", "environment": {}, "results": [run]}])
+    assert not item.done([{"stage": "memory", "environment": {}, "results": [{**run, "measurement": None}]}])
+    rows = [line.split(None, 1) for line in gpu_queue.__doc__.splitlines() if line[:1].isdigit()]
+    assert [n for n, _ in rows] == [str(i) for i in range(1, 9)]
+    assert rows[3][1].startswith("``memory`` Llama3-8B UPipe 3M, 4M, 5M") and "2.5M" in rows[4][1]
+    assert "Qwen3-32B UPipe C=8 on one node" in rows[4][1] and "UPipe-in-USP" in rows[5][1]
+
+
+def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch, capsys):
+    """Dry, without a GPU: ``--select 'qwen3_32b upipe_8gpu' --lengths 2.5M`` is one emulator run of
+    the committed 2.5M recipe over 8 ranks on 2 blocks with every input offloaded (resident_blocks 0:
+    in a 2-block model the recipe's 2 resident inputs would be all of them); its estimate is twice
+    Llama3-8B's attention work per layer (64 / 8 heads per rank against 32 / 8); the planner columns
+    plan what the run measures (the override included) and no paper column (the paper ran 16 GPUs)."""
+    from dataclasses import replace
+
+    from titan_upipe.plan import plan
+    from titan_upipe.plan.job_config import plan_input_from_job_config
+    from titan_upipe.torchtitan_0_2.config_parse import parse_config
+
+    runs = gpu_suite.plan_runs("memory", ("2.5M",), "qwen3_32b upipe_8gpu")
+    assert [r.name for r in runs] == ["qwen3_32b upipe_8gpu 2.5M"]
+    run = runs[0]
+    assert run.argv[1:] == ("-m", "titan_upipe.emulate", "--job.config_file", "configs/qwen3_32b/upipe_8gpu_2_5m.toml",
+                            "--cp-world", "8", "--n-layers", "2", "--json", "--activation_checkpoint.resident_blocks", "0")
+    assert (REPO / "configs/qwen3_32b/upipe_8gpu_2_5m.toml").exists()
+    per_layer = (417.55 + 590.79) / 32 * (2.5 / 2) ** 2  # Table 5's 2M, quadratic to 2.5M
+    slowdown = gpu_suite.kernel_slowdown()
+    assert run.estimate_s == pytest.approx(gpu_suite.STARTUP_S + 2 * slowdown * 2 * per_layer)
+    assert run.estimate_s <= gpu_suite.DEFAULT_BUDGET_S  # one 10-minute call
+    assert [r.length for r in gpu_suite.plan_runs("memory") if r.method == "upipe_8gpu"] == ["1M", "2M", "2.5M"]
+    assert gpu_suite.main(["--dry-run", "--stage", "memory", "--lengths", "2.5M", "--select", "qwen3_32b upipe_8gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "stage memory: 1 runs, 1 within 540 s" in out and "upipe_8gpu_2_5m.toml" in out and "dry run: ready" in out
+
+    def fake(run, timeout_s=None):
+        return run.result(ok=True, oom=False, measurement={"n_layers": 2})
+
+    planned = []
+    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    from titan_upipe.tools import gpu_context  # plans what a run measured
+
+    monkeypatch.setattr(gpu_context, "parse_config", lambda argv: planned.append(argv) or parse_config(argv))
+    result, = gpu_suite.run_emulator_stage("memory", runs)
+    assert planned[-1][-2:] == ["--activation_checkpoint.resident_blocks", "0"]  # what the run measured
+    job = plan_input_from_job_config(parse_config(["--job.config_file", str(REPO / "configs/qwen3_32b/upipe_8gpu_2_5m.toml")]),
+                                     world_size=8, device="cuda")
+    assert job.resident_blocks == 2 and job.optimizer_state_on_host
+    measured_job = replace(job, resident_blocks=0)
+    assert result["planner_gib"] == plan(measured_job).peak_gpu_bytes / 2**30
+    two = replace(measured_job, model=replace(job.model, n_layers=2))
+    assert result["planner_gib_run_depth"] == plan(two).peak_gpu_bytes / 2**30
+    assert result["paper_gib"] is None and result["method"] == "upipe_8gpu"
+    assert gpu_context.config_overrides(["--json", "--training.seq_len", "4096", "--activation_checkpoint.cpu_offload",
+                                         "--n-layers", "2"]) == ["--training.seq_len", "4096",
+                                                                 "--activation_checkpoint.cpu_offload"]
+
+
 def test_estimates_follow_the_papers_step_times():
     """1M from Table 5 directly: (fwd + bwd) / 32 layers; 4M is 16x 1M (quadratic beyond the table)."""
     one_m = (103.92 + 147.37) / 32

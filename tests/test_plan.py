@@ -17,7 +17,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from plan_jobs import GIB, LLAMA, REPO, gpu_job
+from plan_jobs import GIB, LLAMA, REPO, emulated_peaks, gpu_job
 
 from titan_upipe import plan as P
 from titan_upipe.parallel.cp_layout import valid_heads_per_stage
@@ -225,16 +225,6 @@ def test_plot_is_written(tmp_path, capsys):
 
 # --- prediction vs measurement at small sizes (CPU) ------------------------------------------
 
-EMULATE = r"""
-import json, sys
-from titan_upipe.emulate import measure_step  # measure_step registers the plugin itself
-from titan_upipe.torchtitan_0_2.config_parse import parse_config
-out = []
-for spec in json.loads(sys.argv[1]):
-    m = measure_step(parse_config(spec["args"]), spec["world"], fake=True, time_attention=False)
-    out.append({"total": m.total_peak_bytes, "baseline": m.baseline_bytes, "phases": m.phase_peak_bytes})
-print(json.dumps(out))
-"""
 
 CASES = [
     # (args, world): the debug configs (fp32, no AC, no transforms) ...
@@ -252,7 +242,18 @@ CASES = [
       "--activation_checkpoint.resident_blocks", "2"], 2),
     (["--job.config_file", "configs/debug/llama3_upipe_transforms.toml", "--training.seq_len", "8192",
       "--activation_checkpoint.resident_blocks", "1", "--activation_checkpoint.prefetch_after_attention"], 2),
+    # issue 34's one-node Qwen3-32B layout at reduced scale (qwen3 debug, qk-norm): UPipe, bf16 FSDP,
+    # offloaded full AC, the transforms, AdamW's moments on the host, 2 resident inputs. The full
+    # plan peaks at block 1's MLP backward (the lowest block that prefetches); in 2 blocks at 2048
+    # tokens it is block 0's, the lowest block's MLP backward (ONE_NODE_PEAK). Longer, this qwen3
+    # peaks in the K/V flush, where the planner is 5 % under (qk-norm's backward: docs/planner.md).
+    (["--job.config_file", "configs/debug/qwen3_upipe.toml", "--training.seq_len", "2048",
+      "--training.mixed_precision_param", "bfloat16", "--model.converters", "upipe,tiled_mlp,tiled_rmsnorm,fused_rope,fused_ce",
+      "--activation_checkpoint.mode", "full", "--activation_checkpoint.cpu_offload", "--transforms.ce_backend", "torch",
+      "--activation_checkpoint.resident_blocks", "2", "--optimizer.state_on_host"], 2),
 ]
+ONE_NODE_PEAK = {"configs/debug/qwen3_upipe.toml": "block 0 backward: MLP backward"}
+"""The planner's peak moment of the cases that stand for a full-size plan's (config -> moment)."""
 ISSUE_18 = ("--activation_checkpoint.resident_blocks", "--optimizer.state_on_host",
             "--activation_checkpoint.prefetch_after_attention")
 
@@ -265,12 +266,7 @@ def _phase_of(moment: P.Moment) -> str:
 
 
 def test_prediction_within_10_percent_of_the_emulated_rank():
-    specs = [{"args": args, "world": world} for args, world in CASES]
-    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", EMULATE, json.dumps(specs)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = emulated_peaks(CASES)
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     for (args, world), got in zip(CASES, measured, strict=True):
@@ -280,6 +276,8 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
         assert abs(result.peak_gpu_bytes / got["total"] - 1) <= tolerance, (args, result.peak_gpu_bytes, got)
         if args[-2:] == ["--activation_checkpoint.resident_blocks", "2"]:  # the resident input is live at the peak
             assert any("(resident_blocks)" in term for term in result.peak.terms), result.peak
+        if args[1] in ONE_NODE_PEAK:
+            assert result.peak.where == ONE_NODE_PEAK[args[1]], result.peak.where
         predicted = {}
         for moment in result.moments:
             phase = _phase_of(moment)

@@ -46,6 +46,7 @@ Modules (imports point down the list):
 ``state``        state, RoPE, FSDP buffers, RMSNorm outputs, saved MLP tensors
 ``attention``    local kernels, zigzag ring, Ulysses/ring/USP attention
 ``upipe``        UPipe's attention (``memory_model`` plus the code's own terms)
+``tsp``          TSP's attention (D owners, K/V buckets) and ring MLP (weight shards in flight)
 ``block``        one block: kept activations, forward peak, backward moments
 ``loss``         final norm and cross-entropy (stock, chunked torch, Liger)
 ``step``         the walk through one step (``StepWalk``) and ``plan``
@@ -61,7 +62,7 @@ from __future__ import annotations
 from titan_upipe.costs.attention_memory import paper_table2_peak, paper_table6_peak
 from titan_upipe.plan.cli import build_parser, main
 from titan_upipe.plan.dims import ModelDims, model_dims_from_args
-from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput
+from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput, as_tsp
 from titan_upipe.plan.job_config import PLAN_AUTO_BACKEND, plan_from_job_config, plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import (
@@ -84,7 +85,7 @@ from titan_upipe.plan.units import GIB, K, format_length, parse_length
 __all__ = [
     "GIB", "K", "KNOWN_MODELS", "MODEL_FLAVORS", "MODES", "PAPER_ROWS", "PAPER_TABLES_CSV", "PLAN_AUTO_BACKEND",
     "PLOT_LENGTHS", "RUNTIME_RESERVE_GIB_CUDA", "MemoryPlan", "ModelDims", "Moment", "PlanInput", "Term",
-    "LEVERS", "build_parser", "format_length", "longest_fit", "main", "make_plot", "max_seq_len", "model_dims", "model_dims_from_args",
+    "LEVERS", "as_tsp", "build_parser", "format_length", "longest_fit", "main", "make_plot", "max_seq_len", "model_dims", "model_dims_from_args",
     "paper_table2_peak", "paper_table4", "paper_table6_peak", "parse_length", "plan", "plan_from_job_config",
     "plan_input_from_job_config", "plot_variants", "recommended_heads_per_stage", "render", "summary",
 ]

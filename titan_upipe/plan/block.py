@@ -15,6 +15,7 @@ from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.state import ATTENTION_NORM, FFN_NORM, mlp_saved, mlp_tile, norm_out
 from titan_upipe.plan.terms import Term, Terms
+from titan_upipe.plan.tsp import tsp_attention, tsp_mlp_backward, tsp_mlp_forward, tsp_mlp_saved
 from titan_upipe.plan.upipe import upipe_attention
 
 
@@ -32,7 +33,13 @@ def attention_terms(s: StepSizes) -> AttentionTerms:
     """The attention terms of the job's mode."""
     if s.job.resolved_mode in UPIPE_MODES:
         return upipe_attention(s)
+    if s.job.tsp:
+        return tsp_attention(s)
     return ulysses_attention(s)
+
+
+def _mlp_saved(s: StepSizes) -> Terms:
+    return tsp_mlp_saved(s) if s.job.tsp else mlp_saved(s)
 
 
 def block_retained(s: StepSizes, att: AttentionTerms) -> Terms:
@@ -47,7 +54,7 @@ def block_retained(s: StepSizes, att: AttentionTerms) -> Terms:
     terms.update(att.saved)
     terms[Term.RESIDUAL] = u
     terms.update(norm_out(s, FFN_NORM))
-    terms.update(mlp_saved(s))
+    terms.update(_mlp_saved(s))
     terms[Term.BLOCK_OUT] = u
     return terms
 
@@ -67,15 +74,21 @@ def block_forward_peak(s: StepSizes, att: AttentionTerms, grad: bool,
         n1 = norm_out(s, ATTENTION_NORM)
         cands.append(("attention", {**n1, **att.forward}))
         before_mlp = {**n1, **att.saved, Term.RESIDUAL: u, **norm_out(s, FFN_NORM)}
-        mlp = _mlp_tiles(s) if job.tiled_mlp else {**mlp_saved(s), Term.MLP_OUT_W2: u}
+        if job.tsp:
+            mlp = tsp_mlp_forward(s)
+        else:
+            mlp = _mlp_tiles(s) if job.tiled_mlp else {**mlp_saved(s), Term.MLP_OUT_W2: u}
         cands.append(("MLP", {**before_mlp, **mlp}))
         if block_output:  # the final residual add: the MLP's output and the block output
-            cands.append(("residual add after the MLP", {**before_mlp, **mlp_saved(s), Term.MLP_OUT: u,
+            cands.append(("residual add after the MLP", {**before_mlp, **_mlp_saved(s), Term.MLP_OUT: u,
                                                          Term.BLOCK_OUT: u}))
     else:
         cands.append(("attention (no grad)", {Term.ATTENTION_NORM_OUT: u, **att.forward_nograd}))
-        mlp = (_mlp_tiles(s) if job.tiled_mlp else
-               {Term.MLP_NOGRAD: 3 * s.tokens * m.ffn_dim * s.act_bytes, Term.MLP_OUT_W2: u})
+        if job.tsp:
+            mlp = tsp_mlp_forward(s)
+        else:
+            mlp = (_mlp_tiles(s) if job.tiled_mlp else
+                   {Term.MLP_NOGRAD: 3 * s.tokens * m.ffn_dim * s.act_bytes, Term.MLP_OUT_W2: u})
         cands.append(("MLP (no grad)", {Term.RESIDUAL: u, Term.FFN_NORM_OUT: u, **mlp}))
         cands.append(("residual add after the MLP (no grad)", {Term.RESIDUAL: u, Term.MLP_OUT: u,
                                                                Term.BLOCK_OUT: u}))
@@ -85,6 +98,8 @@ def block_forward_peak(s: StepSizes, att: AttentionTerms, grad: bool,
 def _mlp_backward(s: StepSizes) -> tuple[Terms, Terms]:
     """(activation terms, unsharded-gradient terms) of the MLP's backward."""
     m, u, a = s.model, s.hidden, s.act_bytes
+    if s.job.tsp:  # its gradients reach the fp32 shards inside (no unsharded compute-dtype gradients)
+        return tsp_mlp_backward(s), {}
     if s.job.tiled_mlp:
         tile = mlp_tile(s)
         end_cast = (3 * m.dim * m.ffn_dim * a if a != 4 else 0) + 2 * tile * m.ffn_dim * a
@@ -136,11 +151,12 @@ def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool) ->
         where, inner = block_forward_peak(s, att, grad=True, block_output=not job.offloaded)
         moments.insert(0, BlockMoment(f"recompute forward ({where})", {**common, **inner}, {}))
     # 2) ffn_norm backward (the MLP's saved tensors are gone, its dX is the norm's incoming grad)
-    mlp_done = {Term.GRADS_MLP: 3 * m.dim * m.ffn_dim * p}
+    mlp_done = ({Term.TSP_MLP_GRADS: 4 * 3 * m.dim * (m.ffn_dim // job.cp)} if job.tsp
+                else {Term.GRADS_MLP: 3 * m.dim * m.ffn_dim * p})
     moments.append(BlockMoment("ffn_norm backward", {**common, **n1, **att.saved, **h, Term.MLP_DX_TO_NORM: u,
                                                      **_ffn_norm_backward(s)}, mlp_done))
     # 3) attention backward (MLP and ffn_norm done; grad of h held for the residual)
-    grads = {**mlp_done, Term.GRADS_WO_NORM: m.dim * m.q_width * p + m.dim * p}
+    grads = {**mlp_done, Term.GRADS_WO_NORM: m.dim * m.q_width * p + m.dim * p} if not job.tsp else dict(mlp_done)
     # The block output's gradient is gone by now: the engine frees it once the feed-forward
     # half's backward returned dh (offloaded AC splits TorchTitan's blocks at h; without AC or
     # with TorchTitan's checkpoint it is summed into dh and dropped the same way).

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 
 from titan_upipe.attention.backends import BACKENDS
 from titan_upipe.errors import exit_once
-from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput
+from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput, as_tsp
 from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import make_plot, render, summary
@@ -55,6 +55,9 @@ def _model_job(args) -> PlanInput:
         attention_backend=args.attention_backend, optimizer_state_on_host=args.optimizer_state_on_host,
         prefetch_after_attention=args.prefetch_after_attention, resident_blocks=args.resident_blocks,
     )
+    if mode == "tsp":
+        job = replace(as_tsp(job), tsp_kv_heads_per_bucket=args.kv_heads_per_bucket,
+                      tsp_mlp_recompute=not args.no_mlp_recompute)
     if args.no_transforms:
         job = replace(job, tiled_mlp=False, tiled_rmsnorm=False, fused_rope=False, fused_ce=False,
                       ac_mode="full", cpu_offload=False)
@@ -91,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resident-blocks", type=non_negative_int, default=0,
                         help="--model only: the last N blocks keep their input on the device "
                              "([activation_checkpoint] resident_blocks = N)")
+    parser.add_argument("--kv-heads-per-bucket", type=int, default=0,
+                        help="--model --mode tsp only: KV heads per K/V all-gather ([tsp] kv_heads_per_bucket; 0: all)")
+    parser.add_argument("--no-mlp-recompute", action="store_true",
+                        help="--model --mode tsp only: the ring MLP saves each step's projections "
+                             "([tsp] mlp_recompute = false)")
     parser.add_argument("--documents", action="store_true",
                         help="packed documents (block-causal masks): plan the document mask on every rank "
                              "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")

@@ -14,17 +14,18 @@ of it (plain Ulysses, plain ring), and ``upipe-in-usp`` (``upipe`` with a ring).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, valid_heads_per_stage
 from titan_upipe.plan.dims import ModelDims
 from titan_upipe.plan.units import GIB
+from titan_upipe.tsp.shards import tsp_problems
 
-MODES: tuple[str, ...] = ("none", *(m for m in CP_MODES if m != CPMode.TSP), "upipe-in-usp")
-"""The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``, but ``tsp``,
-which the rank emulator measures) and ``upipe-in-usp`` (UPipe whose stages attend over a ring:
-``upipe`` with ``ulysses`` < ``cp``)."""
+MODES: tuple[str, ...] = ("none", *CP_MODES, "upipe-in-usp")
+"""The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``: ulysses,
+upipe, ring, usp, tsp) and ``upipe-in-usp`` (UPipe whose stages attend over a ring: ``upipe``
+with ``ulysses`` < ``cp``)."""
 
 UPIPE_MODES = ("upipe", "upipe-in-usp")
 
@@ -37,9 +38,6 @@ Override with ``--reserve-gib``."""
 
 
 def _check_planned_mode(mode: str) -> None:
-    if mode == CPMode.TSP:
-        raise ValueError("the planner has no TSP terms yet: measure a tsp job with the rank emulator "
-                         "(python -m titan_upipe.emulate --job.config_file X.toml --cp-world N; docs/tsp.md)")
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: valid modes are {', '.join(MODES)}")
 
@@ -55,8 +53,8 @@ def _layout_settings(mode: str, cp: int, ulysses: int) -> tuple[CPMode | None, i
         raise ValueError("seq_len, cp and batch must be positive")
     if mode == "none" or cp == 1:  # no CP attention: one rank's attention over its tokens
         return None, 1, 0
-    if mode == CPMode.RING:  # a ring has no Ulysses ranks, whatever the setting says
-        return CPMode.RING, cp, 0
+    if mode in (CPMode.RING, CPMode.TSP):  # no Ulysses ranks, whatever the setting says
+        return CPMode(mode), cp, 0
     degree = ulysses or cp
     if cp % degree:
         raise ValueError(f"ulysses degree {degree} does not divide cp {cp}")
@@ -122,6 +120,12 @@ class PlanInput:
     documents: bool = False
     """Packed documents: the model args' ``attn_mask_type == "block_causal"``. Every rank holds the
     global batch's ``DocumentMask`` (``titan_upipe.plan.documents``)."""
+    tsp_kv_heads_per_bucket: int = 0
+    """``[tsp] kv_heads_per_bucket`` (0: all of a rank's ``K/D`` KV heads in one all-gather)."""
+    tsp_overlap: bool = True
+    """``[tsp] overlap``: the MLP ring's shard gradient travels during the dX GEMMs (one more fp32 buffer)."""
+    tsp_mlp_recompute: bool = True
+    """``[tsp] mlp_recompute``: the ring MLP saves only its shards (else each step's projections too)."""
 
     # ---- the CP layout
     @cached_property
@@ -168,6 +172,11 @@ class PlanInput:
         return self.degrees.seq_divisor if self.degrees.mode is not None else self.cp
 
     # ---- per rank
+    @property
+    def tsp(self) -> bool:
+        """TSP: the blocks' weights sharded over the CP ranks (``titan_upipe.plan.tsp``)."""
+        return self.mode == CPMode.TSP and self.cp > 1
+
     @property
     def ranks(self) -> int:
         return self.world_size or self.cp
@@ -226,3 +235,31 @@ class PlanInput:
             raise ValueError(f"seq_len {self.seq_len} is not a multiple of {self.seq_unit}")
         if self.ranks % self.cp:
             raise ValueError(f"world size {self.ranks} is not a multiple of cp {self.cp}")
+        if self.tsp:
+            self.check_tsp()
+
+    def check_tsp(self) -> None:
+        """TSP's own rules (``tsp.shards.tsp_problems``, the converter's checks): the degree splits
+        the heads, KV heads and FFN width; no data parallelism on top; the KV bucket divides ``K/D``;
+        no tiled MLP, fused RoPE or host optimizer state (refused by ``validate`` too)."""
+        m = self.model
+        problems = tsp_problems(m.n_heads, m.n_kv_heads, m.ffn_dim, self.cp, self.seq_len)
+        if self.ranks != self.cp:
+            problems.append(f"tsp runs without data parallelism: world size {self.ranks} must equal the TSP degree "
+                            f"{self.cp}")
+        kv = m.n_kv_heads // self.cp if m.n_kv_heads % self.cp == 0 else 0
+        if kv and self.tsp_kv_heads_per_bucket and kv % self.tsp_kv_heads_per_bucket:
+            problems.append(f"tsp.kv_heads_per_bucket = {self.tsp_kv_heads_per_bucket} does not divide the {kv} KV "
+                            "heads per rank")
+        for setting, on in (("tiled_mlp", self.tiled_mlp), ("fused_rope", self.fused_rope),
+                            ("optimizer.state_on_host", self.optimizer_state_on_host), ("packed documents", self.documents)):
+            if on:
+                problems.append(f"tsp does not compose with {setting}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def as_tsp(job: PlanInput) -> PlanInput:
+    """``job`` under TSP on its CP ranks, with the recipes' transforms: TSP's MLP is a weight ring
+    (no tiled MLP) and its attention rotates with the full table (no fused RoPE)."""
+    return replace(job, mode=CPMode.TSP.value, ulysses=0, heads_per_stage=None, tiled_mlp=False, fused_rope=False)

@@ -44,6 +44,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
     transforms = job_config.transforms
     ac = job_config.activation_checkpoint
     offload = plugin_fields(ac, ActivationCheckpointOffload)
+    tsp = job_config.tsp
     backend = transforms.ce_backend
     if backend == "auto":
         backend = "liger" if device == "cuda" else "torch"
@@ -71,6 +72,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
         device=device, documents=packs_documents(model_args),
         optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
+        tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from titan_upipe.plan.documents import documents_summary
-from titan_upipe.plan.job import UPIPE_MODES, PlanInput
+from titan_upipe.plan.job import UPIPE_MODES, PlanInput, as_tsp
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import longest_fit, max_seq_len, recommended_heads_per_stage
 from titan_upipe.plan.step import plan
@@ -128,6 +128,20 @@ LONG_CONTEXT_SWITCHES = {"prefetch_after_attention": True, "resident_blocks": 1}
 LONG_CONTEXT_LABEL = "late prefetch + resident_blocks = 1"
 
 
+def tsp_variant(job: PlanInput) -> PlanInput | None:
+    """TSP on the job's ranks with what it composes with (``as_tsp``, AdamW's moments on the device),
+    or None where it cannot run the job (a degree that does not split the model, packed documents,
+    data parallelism on top)."""
+    if job.ranks != job.cp or job.documents:
+        return None
+    variant = replace(as_tsp(job), optimizer_state_on_host=False)
+    try:
+        variant.check_tsp()
+    except ValueError:
+        return None
+    return variant
+
+
 def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
     """Ulysses, UPipe (U = C) with the paper's settings and with issue 18's switches, and USP on
     the job's model and cluster."""
@@ -144,6 +158,9 @@ def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
             variants.append((f"USP (ulysses {usp_u} x ring {job.cp // usp_u})",
                              replace(job, mode="usp", ulysses=usp_u, heads_per_stage=None)))
         variants.append((f"Ring (zigzag, {job.cp})", replace(job, mode="ring", ulysses=1, heads_per_stage=None)))
+        tsp = tsp_variant(job)
+        if tsp is not None:
+            variants.append((f"TSP ({job.cp})", tsp))
     else:
         variants.append((f"USP (ulysses {cu} x ring {ring})", replace(job, mode="usp", ulysses=cu, heads_per_stage=None)))
         upipe = replace(job, mode="upipe", ulysses=cu, heads_per_stage=None)
@@ -154,7 +171,8 @@ def plot_variants(job: PlanInput) -> list[tuple[str, PlanInput]]:
     return variants
 
 
-COLORS = {"Ulysses": "tab:blue", "UPipe": "tab:green", "USP": "tab:orange", "Ring": "tab:red", "FPDT": "tab:gray"}
+COLORS = {"Ulysses": "tab:blue", "UPipe": "tab:green", "USP": "tab:orange", "Ring": "tab:red", "FPDT": "tab:gray",
+          "TSP": "tab:purple"}
 
 
 def _color(label: str) -> str:

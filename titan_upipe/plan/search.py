@@ -69,6 +69,10 @@ def longest_fit(job: PlanInput, gpu_mem_bytes: float, host_mem_bytes: float | No
         if not settings:
             continue
         candidate = replace(job, **{LEVERS[key][0]: v for key, v in settings.items()})
+        try:
+            candidate.check()
+        except ValueError:  # a lever the job's mode refuses (TSP keeps AdamW's moments on the device)
+            continue
         length = max_seq_len(candidate, gpu_mem_bytes, host_mem_bytes, above=best_len)  # mostly one plan
         if length > best_len:
             best_len, best_settings = length, settings

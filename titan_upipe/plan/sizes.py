@@ -45,3 +45,12 @@ class StepSizes:
     @property
     def model(self) -> ModelDims:
         return self.job.model
+
+    @property
+    def fsdp_block_params(self) -> int:
+        """Parameters of one block that FSDP all-gathers and reduce-scatters: all of them, or with
+        TSP only the norms (the TSP-sharded weights are ignored by FSDP: ``torchtitan_0_2.parallelize.apply_fsdp``)."""
+        m = self.model
+        if self.job.tsp:
+            return 2 * m.dim + (2 * m.head_dim if m.qk_norm else 0)
+        return m.block_params

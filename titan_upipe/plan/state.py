@@ -84,14 +84,14 @@ def fsdp_block_terms(s: StepSizes, phase: str, block: int) -> Terms:
     """FSDP2's buffers while block ``block`` runs ``phase`` (forward or backward)."""
     if s.fsdp == 1:
         return {}
-    m, p = s.model, s.weight_bytes
-    terms: Terms = {Term.FSDP_BLOCK: m.block_params * p}
+    m, p, params = s.model, s.weight_bytes, s.fsdp_block_params
+    terms: Terms = {Term.FSDP_BLOCK: params * p}
     if phase == "forward":
-        terms[Term.FSDP_GATHER_THIS] = m.block_params * p
+        terms[Term.FSDP_GATHER_THIS] = params * p
     else:
-        prev = m.block_params if block > 0 else m.embedding_params
+        prev = params if block > 0 else m.embedding_params
         terms[Term.FSDP_GATHER_NEXT] = prev * p
-        held = m.block_params if block < m.n_layers - 1 else m.output_params
+        held = params if block < m.n_layers - 1 else m.output_params
         terms[Term.FSDP_REDUCE_HELD] = held * s.reduce_bytes
     return terms
 

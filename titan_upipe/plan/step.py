@@ -99,7 +99,7 @@ class StepWalk:
         terms[Term.EMBEDDING_OUT] = u
         self.add("forward", "embedding", terms)
         where, inner = block_forward_peak(s, self.attention, grad=job.ac_mode != "full")
-        if job.ac_mode == "full" and not job.offloaded:
+        if job.ac_mode == "full" and not job.offloaded and not job.tsp:
             # TorchTitan's (non-reentrant) checkpoint runs the first forward with autograd on and
             # drops what would be saved: the grad-mode temporaries (RoPE) appear, saves do not
             grad_mode = {**norm_out(s, ATTENTION_NORM), **self.attention.forward}
@@ -127,7 +127,7 @@ class StepWalk:
         self.add("loss", "loss forward", {**base, **loss.forward})
         terms = {**base, **loss.backward}
         if s.fsdp > 1:
-            terms[Term.FSDP_GATHER_NEXT] = m.block_params * s.weight_bytes
+            terms[Term.FSDP_GATHER_NEXT] = s.fsdp_block_params * s.weight_bytes
         self.add("loss", "loss backward", terms)
 
     def backward(self) -> None:
@@ -157,7 +157,7 @@ class StepWalk:
         terms[Term.EMBEDDING_GRAD] = m.embedding_params * s.weight_bytes
         if s.fsdp > 1:
             terms[Term.FSDP_EMBEDDING] = m.embedding_params * s.weight_bytes
-            terms[Term.FSDP_REDUCE_HELD] = m.block_params * s.reduce_bytes
+            terms[Term.FSDP_REDUCE_HELD] = s.fsdp_block_params * s.reduce_bytes
         self.add("backward", "embedding backward", terms)
 
     def reduce_scatter(self, i: int, grads: int, prefetch: bool) -> None:
@@ -167,10 +167,11 @@ class StepWalk:
         terms = {**state_terms(s, grads), **(self.below(i) if i > 0 else {})}
         if prefetch:
             terms[Term.PREFETCHED_INPUT] = s.hidden
-        prev = m.block_params if i > 0 else m.embedding_params
+        params = s.fsdp_block_params
+        prev = params if i > 0 else m.embedding_params
         terms[Term.FSDP_GATHER_NEXT] = prev * s.weight_bytes
-        terms[Term.FSDP_BLOCK_GRADS] = m.block_params * s.weight_bytes
-        terms[Term.FSDP_REDUCE] = m.block_params * s.reduce_bytes + grad_shards(s, m.block_params)
+        terms[Term.FSDP_BLOCK_GRADS] = params * s.weight_bytes
+        terms[Term.FSDP_REDUCE] = params * s.reduce_bytes + grad_shards(s, params)
         terms[Term.GRAD_BLOCK_INPUT] = s.hidden
         self.add("backward", f"block {i} backward: reduce-scatter", terms)
 

@@ -14,9 +14,12 @@ done when a report holds its results; nothing else is remembered.
 3    ``speed`` 128K / 1M / 2M with the fastest backend    Ulysses and UPipe at the length, run with
                                                           the backend ``auto`` now picks there
 4    ``memory`` Llama3-8B UPipe 3M, 4M, 5M (one a call)   that run (measured, or out of memory)
-5    ``memory`` Qwen3-32B UPipe-in-USP 1M-4M              that run
-6    ``tsp`` Llama3-8B 128K, 1M, 2M                       that run
-7    ``attention`` at 2M                                  every candidate backend reported at 2M
+5    ``memory`` Qwen3-32B UPipe C=8 on one node, 2.5M     that run
+     (``configs/qwen3_32b/upipe_8gpu_2_5m.toml``, 2
+     blocks, every input offloaded; issue 34)
+6    ``memory`` Qwen3-32B UPipe-in-USP 1M-4M              that run
+7    ``tsp`` Llama3-8B 128K, 1M, 2M                       that run
+8    ``attention`` at 2M                                  every candidate backend reported at 2M
 ===  ===================================================  =========================================
 
 An item whose estimate does not fit what is left of the call is passed over for the next one
@@ -122,6 +125,8 @@ def build_queue(estimate: Callable[[str, tuple[str, ...], str | None], float], f
     items += [item(f"speed {x} ({fastest})", "speed", (x,), done=speed_done(x, fastest)) for x in ("128K", "1M", "2M")]
     items += [item(f"memory llama3_8b upipe {x}", "memory", (x,), "llama3_8b upipe",
                    run_done(f"llama3_8b upipe {x}")) for x in ("3M", "4M", "5M")]
+    items.append(item("memory qwen3_32b upipe_8gpu 2.5M", "memory", ("2.5M",), "qwen3_32b upipe_8gpu",
+                      run_done("qwen3_32b upipe_8gpu 2.5M")))
     items += [item(f"memory qwen3_32b upipe_usp {x}", "memory", (x,), "qwen3_32b upipe_usp",
                    run_done(f"qwen3_32b upipe_usp {x}")) for x in ("1M", "2M", "3M", "4M")]
     items += [item(f"tsp llama3_8b {x}", "tsp", (x,), done=run_done(f"llama3_8b tsp {x}")) for x in ("128K", "1M", "2M")]

@@ -27,8 +27,9 @@ attention   forward and backward TFLOP/s of every usable local kernel (after its
             packed documents for the varlen kernels (``gpu_attention``): ranked, and written to
             ``titan_upipe/resources/kernel_speed.csv``, which ``auto`` and these estimates read
 memory      the rank emulator (``python -m titan_upipe.emulate``, fake process group, real kernels): Llama3-8B
-            C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM, and
-            Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, on fewer layers with the emulator's extrapolation;
+            C=8 Ulysses and UPipe with the recipes' converters at 128K-5M and upward until OOM,
+            Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, and Qwen3-32B UPipe C=8 on one node (the
+            ``upipe_8gpu`` recipes, 1M, 2M, 2.5M), on fewer layers with the emulator's extrapolation;
             ``max_memory_allocated``/``reserved`` beside the planner and the paper's Table 4
 speed       one emulated step of 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M:
             the UPipe / Ulysses step-time ratio and tokens/s/GPU with modelled communication beside
@@ -64,7 +65,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,8 +77,6 @@ from titan_upipe.attention.kernel_speed import (
     measured_order,
     read_rows,
 )
-from titan_upipe.plan import plan
-from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.plan.units import format_length
 from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
@@ -87,6 +86,12 @@ from titan_upipe.tools.gpu_attention import (
     plan_cases,
     run_attention_stage,
     usable_backends,
+)
+from titan_upipe.tools.gpu_context import (
+    REPO,
+    add_memory_context,
+    add_speed_context,
+    replan_report,
 )
 from titan_upipe.tools.gpu_kernels import run_kernel_checks
 from titan_upipe.tools.gpu_queue import QueueItem, build_queue, load_reports, next_item, pending
@@ -103,17 +108,20 @@ from titan_upipe.tools.paper_tables import paper_value
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
-REPO = Path.cwd()
-"""The checkout the suite runs in (its recipes under ``configs/``, its reports under
-``docs/benchmarks/gpu/``): the current directory, so that an installed package runs it too."""
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
 STAGES = ("kernels", "attention", "memory", "speed", "tsp")
 DEFAULT_BUDGET_S = 540
 
-LENGTHS = {name: parse_length(name) for name in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")}
+LENGTHS = {name: parse_length(name)
+           for name in ("128K", "256K", "512K", "1M", "2M", "2.5M", "3M", "4M", "5M", "6M", "7M", "8M")}
 MEMORY_LLAMA_LENGTHS = ("128K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")
 """128K-5M from the recipes, then upward (the 5M recipe with a longer seq_len) until it no longer fits."""
 MEMORY_QWEN_LENGTHS = ("1M", "2M", "3M", "4M", "5M", "6M")
+MEMORY_QWEN_ONE_NODE_LENGTHS = ("1M", "2M", "2.5M")
+"""Qwen3-32B UPipe C=8 on one 8-GPU node (issue 34): its ``upipe_8gpu`` recipes."""
+QWEN_ONE_NODE_WORK = 2.0
+"""Attention work per rank and layer of Qwen3-32B over 8 GPUs against Llama3-8B's over 8 (the
+estimates' unit): 64 / 8 query heads per rank against 32 / 8, the same head dim and tokens."""
 SPEED_LENGTHS = ("128K", "1M", "2M")
 TSP_LENGTHS = ("128K", "1M", "2M", "3M", "4M")
 """TSP (issue 19) on Llama3-8B over 8 GPUs: its recipes (128K-2M), then upward until it no longer fits."""
@@ -122,10 +130,11 @@ MEMORY_LAYERS = 2
 STARTUP_S = 30.0
 """Estimated process start, model build and first-use kernel compilation per emulator run
 (H100, 2026-11-23: 25 s at 128K, where the attention takes little)."""
-def run_estimate_s(length: str, slowdown: float | None = None) -> float:
-    """Wall seconds of one emulator run of ``MEMORY_LAYERS`` blocks at ``length``."""
+def run_estimate_s(length: str, slowdown: float | None = None, work: float = 1.0) -> float:
+    """Wall seconds of one emulator run of ``MEMORY_LAYERS`` blocks at ``length``; ``work``: the
+    attention work per rank and layer relative to Llama3-8B over 8 GPUs."""
     slowdown = kernel_slowdown() if slowdown is None else slowdown
-    return STARTUP_S + MEMORY_LAYERS * slowdown * attention_seconds_per_layer(length)
+    return STARTUP_S + MEMORY_LAYERS * slowdown * work * attention_seconds_per_layer(length)
 
 
 @dataclass(frozen=True)
@@ -222,6 +231,14 @@ def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
                      _emulator(f"configs/qwen3_32b/upipe_usp_{length.lower()}.toml", 16),
                      run_estimate_s(length), "upipe_usp", length,
                      "qwen3_upipe_usp") for length in wanted(MEMORY_QWEN_LENGTHS)]
+        # One node: the 2.5M recipe keeps its last 2 inputs on the device, which in a 2-block run
+        # is every input (nothing offloaded, and the extrapolation would add a resident input per
+        # block); the run offloads them all, as the full model's low blocks, whose peak it is.
+        runs += [Run("memory", f"qwen3_32b upipe_8gpu {length}",
+                     _emulator(f"configs/qwen3_32b/upipe_8gpu_{length.lower().replace('.', '_')}.toml", 8,
+                               "--activation_checkpoint.resident_blocks", "0"),
+                     run_estimate_s(length, work=QWEN_ONE_NODE_WORK), "upipe_8gpu", length,
+                     "qwen3_upipe_8gpu") for length in wanted(MEMORY_QWEN_ONE_NODE_LENGTHS)]
         return runs
     if stage == "speed":
         return [_llama_run("speed", method, length) for length in wanted(SPEED_LENGTHS)
@@ -269,27 +286,6 @@ def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
     return result
 
 
-def _add_memory_context(result: dict) -> None:
-    """The planner at the flavor's depth and at the depth the run built (``--n-layers``): the
-    latter is the like-for-like figure, since the emulator's extrapolation carries the held
-    reduce-scatter input of the last block's group (the output projection, 2.2x a block's in
-    Llama3-8B) from a short model's peak block into the full depth (docs/planner.md)."""
-    argv = result["argv"]
-    config = argv[argv.index("--job.config_file") + 1]
-    overrides = argv[argv.index("--training.seq_len"):][:2] if "--training.seq_len" in argv else []
-    cp_world = int(argv[argv.index("--cp-world") + 1])
-    job = plan_input_from_job_config(parse_config(["--job.config_file", str(REPO / config), *overrides]),
-                                     world_size=cp_world, device="cuda")
-    result["planner_gib"] = plan(job).peak_gpu_bytes / 2**30
-    if "--n-layers" in argv:
-        depth = int(argv[argv.index("--n-layers") + 1])
-        short = replace(job, model=replace(job.model, n_layers=depth))
-        result["planner_gib_run_depth"] = plan(short).peak_gpu_bytes / 2**30
-    model = result["model"]
-    method = "upipe" if result["method"] == "upipe_usp" else result["method"]
-    result["paper_gib"] = paper_value("4", model, method, "peak_memory", result["length"])
-
-
 def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = None,
                        on_result: Callable[[list[dict], list[Run]], None] | None = None) -> list[dict]:
     """Run ``runs`` in order while the next one's estimate fits before ``deadline``
@@ -310,50 +306,15 @@ def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = Non
         if result["oom"] and run.stop_group:
             stopped.add(run.stop_group)
         if stage == "memory":
-            _add_memory_context(result)
+            add_memory_context(result)
         results.append(result)
         print(f"[{stage}] {run.name}: {'OOM' if result['oom'] else ('ok' if result['ok'] else 'FAILED')} "
               f"({result.get('wall_s', 0):.0f} s)", flush=True)
         if stage == "speed":
-            _add_speed_context(results)
+            add_speed_context(results)
         if on_result:
             on_result(results, runs[i + 1:])
     return results
-
-
-def replan_report(json_path: Path, when: str) -> StageReport:
-    """A committed memory report with its planner columns recomputed by this checkout's planner
-    (``--replan``); the measurements are left as they were. ``when`` is recorded beside the
-    report's environment, so a reader sees which planner the columns come from."""
-    data = json.loads(Path(json_path).read_text())
-    if data.get("stage") != "memory":
-        raise ValueError(f"{json_path}: --replan takes a memory report, this one is stage {data.get('stage')!r}")
-    report = StageReport(data["stage"], dict(data["environment"]), data["results"], data.get("not_run", []),
-                         tuple(data["lengths"]) if data.get("lengths") else None)
-    for result in report.results:
-        if result.get("argv"):
-            _add_memory_context(result)
-    report.environment["planner columns recomputed"] = when
-    return report
-
-
-def _add_speed_context(results: list[dict]) -> None:
-    by_key = {}
-    for r in results:
-        m = r.get("measurement")
-        if m is None:
-            continue
-        r["step_s"] = m["full"]["modeled_step_time_s"]
-        r["tokens_per_s"] = m["seq_len"] * m["batch"] / r["step_s"] / m["cp_degree"]
-        r["paper_tokens_per_s"] = paper_value("3", "llama3_8b", r["method"], "throughput", r["length"])
-        by_key[(r["method"], r["length"])] = r
-    for r in results:
-        other = by_key.get(("ulysses", r["length"]))
-        if r["method"] == "upipe" and other is not None and "step_s" in r:
-            r["ratio"] = r["step_s"] / other["step_s"]
-            up = paper_value("5", "llama3_8b", "upipe", "step_time_total", r["length"])
-            ul = paper_value("5", "llama3_8b", "ulysses", "step_time_total", r["length"])
-            r["paper_ratio"] = up / ul if up and ul else None
 
 
 # --- the CLI -----------------------------------------------------------------------------------
