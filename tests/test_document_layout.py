@@ -99,3 +99,40 @@ def test_bad_runs_are_refused():
         DocumentZigzagLayout(8, 2, 1, (((0, 2),), ((2, 8),)))
     with pytest.raises(ValueError, match="do not split"):
         DocumentZigzagLayout.of_documents([5, 4], 2)
+
+
+def _brute_force_ratio(tokens: torch.Tensor, eos_id: int, layouts: list) -> float:
+    """Busiest / mean ring-rank work from the mask itself: query i sees key j iff j <= i and no EOS
+    lies in [j, i) (the EOS ends its document); a ring rank's work is its queries' visible keys."""
+    work = torch.zeros(layouts[0].ring_size, dtype=torch.float64)
+    for row, layout in zip(tokens, layouts, strict=True):
+        eos = (row == eos_id).long()
+        doc = torch.cumsum(eos, 0) - eos
+        s = row.numel()
+        visible = (torch.arange(s)[None, :] <= torch.arange(s)[:, None]) & (doc[None, :] == doc[:, None])
+        per_query = visible.sum(dim=1).double()
+        for ring_rank in range(layout.ring_size):
+            work[ring_rank] += per_query[layout.positions(ring_rank)].sum()
+    return float(work.max() / work.mean())
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_the_trainers_ring_work_scalars_are_the_masks_own_count(ring):
+    """``cp_inputs.batch_ring_work`` (the trainer's ``data/ring_work_busiest_over_mean*`` scalars, a
+    closed form per document segment) against a brute-force count over the ``S x S`` mask, under the
+    fixed zigzag and under the document layout, for a batch of two rows with EOS at random places."""
+    from titan_upipe.torchtitan_0_2.cp_inputs import DOCUMENT_MIN_SPLIT, RING_WORK_TAGS, batch_ring_work
+
+    torch.manual_seed(ring)
+    seq, eos_id = 256 * ring, 3
+    tokens = torch.randint(4, 50, (2, seq))
+    tokens[0, torch.randint(0, seq, (12,))] = eos_id  # many short documents
+    tokens[1, [seq // 3, seq - 5]] = eos_id  # three, one long
+    got = batch_ring_work(tokens, eos_id, ring)
+    zigzag = [ZigzagLayout(seq, ring)] * 2
+    eos_rows = [(row == eos_id).long() for row in tokens]
+    lengths = [document_lengths(torch.cumsum(e, 0) - e) for e in eos_rows]
+    balanced = [DocumentZigzagLayout.of_documents(n, ring, min_split=DOCUMENT_MIN_SPLIT) for n in lengths]
+    assert got[RING_WORK_TAGS[0]] == pytest.approx(_brute_force_ratio(tokens, eos_id, zigzag), rel=1e-12)
+    assert got[RING_WORK_TAGS[1]] == pytest.approx(_brute_force_ratio(tokens, eos_id, balanced), rel=1e-12)
+    assert got[RING_WORK_TAGS[0]] > 1.05  # the fixed zigzag is imbalanced on this batch; the check can fail

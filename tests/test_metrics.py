@@ -83,6 +83,11 @@ def test_dashboard_tags_of_a_upipe_run(upipe_text_job):
     scalars = read_scalars(tmp_path)
     final = {tag: values[-1][1] for tag, values in scalars.items()}
     expected = {tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags}
+    # packed documents on a ring only (this job: causal, no ring): tests/test_train_e2e.py checks them
+    from titan_upipe.torchtitan_0_2.cp_inputs import RING_WORK_TAGS
+
+    assert set(RING_WORK_TAGS) <= expected and not set(RING_WORK_TAGS) & set(final)
+    expected -= set(RING_WORK_TAGS)
     assert expected <= set(final), sorted(expected - set(final))
     assert [step for step, _ in scalars["throughput/step_time_s"]] == [1, 2, 3, 4]
     assert final["throughput/tokens_per_s_per_gpu"] > 0 and final["throughput/step_time_s"] > 0

@@ -153,3 +153,11 @@ def test_block_causal_matches_one_rank(llama3_seed, docs_one_rank, tmp_path, ove
     assert_losses_close(losses(tmp_path), losses(docs_one_rank), rtol=1e-5)
     assert [s for s, _ in read_scalars(tmp_path)[VALIDATION]] == [1, 2, 4]
     assert_losses_close(losses(tmp_path, VALIDATION), losses(docs_one_rank, VALIDATION), rtol=1e-5)
+    # packed documents on a ring: every logged step has the batch's busiest / mean ring work, under the
+    # fixed zigzag and under the document layout (their arithmetic: tests/test_document_layout.py)
+    ring_work = {tag: values for tag, values in read_scalars(tmp_path).items() if tag.startswith("data/ring_work")}
+    if overrides:
+        assert len(ring_work) == 2 and all(len(v) == int(STEPS) and all(x >= 1 for _, x in v)
+                                            for v in ring_work.values()), ring_work
+    else:  # UPipe alone has no ring: nothing to balance, no scalar
+        assert ring_work == {}

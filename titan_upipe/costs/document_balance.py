@@ -300,3 +300,17 @@ def document_zigzag_intervals(lengths: Sequence[int], ring_size: int, min_split:
 def causal_work_per_rank(seq_len: int, layout: Array, ring_size: int) -> Array:
     """Plain causal work (one document of ``S`` tokens) per ring rank."""
     return step_work([seq_len], layout, ring_size).sum(axis=1)
+
+
+def ring_work_ratios(rows: Sequence[Sequence[int]], ring_size: int, min_split: int) -> tuple[float, float]:
+    """Busiest / mean ring-rank work of one batch (``rows``: each row's document lengths), summed
+    over the rows: ``(fixed zigzag, document-aware zigzag)`` (``zigzag_intervals``;
+    ``document_zigzag_intervals`` with ``greedy_fill``, as ``parallel.DocumentZigzagLayout``). Under
+    the ring's synchronous steps the busiest rank sets every rank's attention time."""
+    zigzag, documents = np.zeros(ring_size), np.zeros(ring_size)
+    for lengths in rows:
+        seq_len = int(sum(lengths))
+        zigzag += step_work(lengths, zigzag_intervals(seq_len, ring_size), ring_size).sum(axis=1)
+        balanced = document_zigzag_intervals(lengths, ring_size, min_split, greedy_fill=True)
+        documents += step_work(lengths, balanced, ring_size).sum(axis=1)
+    return float(zigzag.max() / zigzag.mean()), float(documents.max() / documents.mean())

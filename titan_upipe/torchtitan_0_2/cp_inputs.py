@@ -15,8 +15,12 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import sequence_mesh
+from titan_upipe.attention.documents import DocumentMask
+from titan_upipe.attention.module import ContextParallelAttention
+from titan_upipe.costs.document_balance import ring_work_ratios
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.cp_layout import CP_MODES
+from titan_upipe.parallel.document_layout import document_lengths
 from titan_upipe.parallel.inputs import prepare_cp_batch
 
 
@@ -64,3 +68,25 @@ def global_valid_tokens(batch_valid: torch.Tensor, batch_mesh: DeviceMesh | None
     """``Σ_d N_d``: the valid tokens of every data-parallel batch, each counted whole (before CP
     sharding; every CP rank of a batch holds the same count) and summed over the batch mesh."""
     return batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)
+
+
+def model_ring_degree(model_parts: list[nn.Module]) -> int:
+    """Ring ranks of the converted attention (1: no ring, e.g. Ulysses or UPipe alone)."""
+    return next((m.ring_degree for part in model_parts for m in part.modules()
+                 if isinstance(m, ContextParallelAttention)), 1)
+
+
+RING_WORK_TAGS = ("data/ring_work_busiest_over_mean", "data/ring_work_busiest_over_mean_if_document_balanced")
+"""The batch's busiest / mean ring-rank attention work under the layout the ring runs (the fixed
+zigzag) and under the document-aware zigzag (``parallel.DocumentZigzagLayout``, not yet run)."""
+
+DOCUMENT_MIN_SPLIT = 16384
+"""Documents of at least this many tokens are zigzagged inside themselves (docs/benchmarks/document_balance.md)."""
+
+
+def batch_ring_work(tokens: torch.Tensor, eos_id: int, ring_size: int) -> dict[str, float]:
+    """``RING_WORK_TAGS`` of the global batch ``tokens [B, S]``, its documents split at each EOS as
+    the mask is (``DocumentMask.from_eos``): closed-form visible pairs per ring rank."""
+    ids = DocumentMask.from_eos(tokens.cpu(), eos_id).doc
+    rows = [document_lengths(row) for row in ids]
+    return dict(zip(RING_WORK_TAGS, ring_work_ratios(rows, ring_size, DOCUMENT_MIN_SPLIT), strict=True))

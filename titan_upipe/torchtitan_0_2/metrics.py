@@ -28,6 +28,10 @@ memory/alloc_retries           cudaMalloc retries (allocator under pressure)
 memory/offload_host_gib        peak host memory held by offloaded checkpoints
 data/documents, data/doc_*     documents read since the last log and their lengths in tokens
 data/tokens_in_docs_ge_*_pct   share of tokens in long documents (``local_text`` only)
+data/ring_work_busiest_over_*  packed documents on a ring: the busiest ring rank's attention work over the
+                               mean (the ring waits for it), under the fixed zigzag the ring runs and
+                               ``_if_document_balanced`` (``parallel.DocumentZigzagLayout``); batch mean since
+                               the last log
 progress/<phase>_seconds       forward, backward, optimizer time of a step timed with the progress
                                on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_0_2.progress)
 ============================== ==============================================
@@ -78,6 +82,8 @@ CUSTOM_SCALARS_LAYOUT = {
         "document tokens": ("Multiline", ["data/doc_tokens_p50", "data/doc_tokens_p90", "data/doc_tokens_max"]),
         "% tokens in long documents": ("Multiline", ["data/tokens_in_docs_ge_32k_pct",
                                                      "data/tokens_in_docs_ge_seq_len_pct"]),
+        "ring work busiest / mean": ("Multiline", ["data/ring_work_busiest_over_mean",
+                                                   "data/ring_work_busiest_over_mean_if_document_balanced"]),
     },
     "Progress": {
         "phase time (s)": ("Multiline", ["progress/forward_seconds", "progress/backward_seconds",
@@ -110,6 +116,9 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._set_flops_model(job_config, model_args)
         self.document_stats: Callable[[], dict[str, float]] | None = None
         """Set by the trainer when its loader reports document lengths (``data/…`` tags)."""
+        self.ring_work: list[dict[str, float]] = []
+        """Each batch's busiest / mean ring work since the last log (packed documents on a ring:
+        ``cp_inputs.batch_ring_work``), logged as their mean."""
         super().__init__(job_config, parallel_dims, tag)
         # TorchTitan's logger writes to stdout; its trainer and validator read this attribute.
         self.color = console_colors(job_config.metrics.disable_color_printing, sys.stdout)
@@ -159,6 +168,10 @@ class LongContextMetricsProcessor(MetricsProcessor):
         extra.update(self.long_context_metrics(global_avg_loss))
         if self.document_stats is not None:
             extra.update(self._document_metrics())
+        if self.ring_work:
+            extra.update({tag: sum(batch[tag] for batch in self.ring_work) / len(self.ring_work)
+                          for tag in self.ring_work[0]})
+            self.ring_work.clear()
         OFFLOAD_STATS.peak_host_bytes = OFFLOAD_STATS.host_bytes  # a new window starts after this log
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 

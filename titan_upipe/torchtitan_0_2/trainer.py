@@ -42,8 +42,10 @@ from torchtitan.train import Trainer
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
 from titan_upipe.torchtitan_0_2.cp_inputs import (
+    batch_ring_work,
     document_eos_id,
     global_valid_tokens,
+    model_ring_degree,
     model_sequence_mesh,
     shard_batch,
 )
@@ -75,7 +77,12 @@ class ContextParallelTrainer(Trainer):
             return super().post_dataloading_process(input_dict, labels)
         if getattr(self, "_cp_sequence_mesh", None) is None:
             self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
-        return shard_batch(input_dict, labels, self._cp_sequence_mesh, document_eos_id(self.model_args, self.tokenizer))
+            self._cp_ring_degree = model_ring_degree(self.model_parts)
+        eos_id = document_eos_id(self.model_args, self.tokenizer)
+        if eos_id is not None and self._cp_ring_degree > 1 and hasattr(self.metrics_processor, "ring_work"):
+            # what the ring's synchronous steps cost this batch (the busiest ring rank sets the pace)
+            self.metrics_processor.ring_work.append(batch_ring_work(input_dict["input"], eos_id, self._cp_ring_degree))
+        return shard_batch(input_dict, labels, self._cp_sequence_mesh, eos_id)
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)
