@@ -5,7 +5,7 @@ the job on torch's fake process group, real kernels, the live-tensor tracker), c
 plan's peak within 1 %, and the plan's peak moment named: the ring MLP's backward (with and without
 ``mlp_recompute``, one KV bucket of two, TorchTitan's full AC, Qwen3's qk-norm), and the attention
 backward's dK/dV sums where the K/V heads dominate (MHA, 8 KV heads over 4 ranks). Each phase's own
-peak within 3 %. Not covered here: CUDA-only terms (kernel workspaces), D = 8.
+peak within 3 %. Not covered here: CUDA-only terms (kernel workspaces).
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ CASES = [
             "--tsp.kv_heads_per_bucket", "1"] + RECIPE, 2, "block 1 backward: MLP backward"),
     (TSP + ["--training.seq_len", "16384", "--model.flavor", "debug_mha"] + RECIPE, 4,
      "block 1 backward: attention backward (dK/dV summed and stacked per rank)"),
+    # D = 8 (MHA, one head per rank): the dK/dV moment of the second owner (the first's dX sum held)
+    (TSP + ["--training.seq_len", "32768", "--model.flavor", "debug_mha", "--parallelism.context_parallel_degree",
+            "8"] + RECIPE, 8, "block 1 backward: attention backward (dK/dV summed and stacked per rank)"),
     (TSP + ["--training.seq_len", "8192", "--model.flavor", "debug_mha", "--parallelism.context_parallel_degree", "2",
             "--model.converters", "tsp,fused_ce", "--transforms.ce_backend", "torch"], 2, "block 1 backward: MLP backward"),
     # TorchTitan's full AC without offload (its first forward keeps autograd on and drops the saves)

@@ -163,31 +163,33 @@ def tsp_attention(s: StepSizes) -> AttentionTerms:
                   {**owner_nograd, Term.TSP_KV_REORDER: 3 * z.gathered_kv * a, Term.TSP_OUTPUT_SUMS: sums_before,
                    **next_bucket}),
                  key=lambda terms: sum(terms.values()))
-    # backward, the first owner (D - 1): its wo input is gone (the output projection's backward ran)
-    first = {k: v - owner[k] if k is Term.TSP_WO_INPUT else v for k, v in saved.items()}
-    grads = {Term.TSP_OUTPUT_GRAD_FP32: z.fp32_hidden, Term.TSP_OWNER_OUT_GRAD: z.heads * uh,
-             Term.TSP_OWNER_WEIGHT_GRAD: m.dim * z.heads * m.head_dim * a}
-    dkv = {**first, **grads,
-           Term.TSP_DKV_SUMS: 4 * z.gathered_kv * 4,
-           Term.TSP_DKV_LAST_CHUNK: z.gathered_kv * a,
-           Term.TSP_DQ: z.bucket_query_heads * uh}
-    # inside the last chunk's kernel backward (CUDA workspaces): the reordered K/V and the fp32 dK/dV
-    # sums so far beside the kernel's own buffers (none on CPU, where this moment is below the one above)
-    kernel = {**first, **grads, Term.TSP_KV_REORDER: z.gathered_kv * a, Term.TSP_DKV_SUMS: z.gathered_kv * 4,
-              Term.TSP_DKV_LAST_CHUNK: z.gathered_kv * a, Term.TSP_DQ: z.bucket_query_heads * uh,
-              **_kernel_backward(z)}
-    # an owner's projection backward (its dX GEMMs): the owners done so far have freed their saved
-    # tensors; from the second owner on, the fp32 dX sum of the owners after it (bf16: tsp.grad_sum)
-    def projection(done: int) -> Terms:
-        terms = {k: v - done * owner.get(k, 0) if k is not Term.TSP_WO_INPUT else v - (done - 1) * owner[k]
-                 for k, v in first.items()}
+    # Backward runs the owners from the last (D - 1) down. With ``done`` owners finished, their saved
+    # tensors (and RoPE rows) are gone and, in bf16, the fp32 sum of their dX holds the rest
+    # (tsp.grad_sum); ``outputs`` owners' wo inputs are gone (their output projection's backward ran).
+    def remaining(done: int, outputs: int) -> Terms:
+        terms = {k: v - (outputs if k is Term.TSP_WO_INPUT else done) * owner.get(k, 0) for k, v in saved.items()}
         terms[Term.TSP_ROPE_ROWS] = saved[Term.TSP_ROPE_ROWS] - 2 * done * z.rope_rows()
-        terms.update({Term.TSP_OUTPUT_GRAD_FP32: z.fp32_hidden,
-                      Term.TSP_DX_SUM_FP32: z.fp32_hidden if done > 1 and a != 4 else 0,
-                      Term.TSP_DX_GEMMS: 3 * s.hidden})
+        terms[Term.TSP_DX_SUM_FP32] = z.fp32_hidden if done and a != 4 else 0
         return terms
 
-    projections = max((projection(done) for done in range(1, min(d, 2) + 1)), key=lambda t: sum(t.values()))
+    grads = {Term.TSP_OUTPUT_GRAD_FP32: z.fp32_hidden, Term.TSP_OWNER_OUT_GRAD: z.heads * uh,
+             Term.TSP_OWNER_WEIGHT_GRAD: m.dim * z.heads * m.head_dim * a}
+    # the first two owners' buckets (the second holds the dX sum instead of the first's saved tensors)
+    done_before = range(min(d, 2))
+    dkv = max(({**remaining(done, done + 1), **grads, Term.TSP_DKV_SUMS: 4 * z.gathered_kv * 4,
+                Term.TSP_DKV_LAST_CHUNK: z.gathered_kv * a, Term.TSP_DQ: z.bucket_query_heads * uh}
+               for done in done_before), key=lambda t: sum(t.values()))
+    # inside the last chunk's kernel backward (CUDA workspaces): the reordered K/V and the fp32 dK/dV
+    # sums so far beside the kernel's own buffers (none on CPU, where this moment is below the one above)
+    kernel = max(({**remaining(done, done + 1), **grads, Term.TSP_KV_REORDER: z.gathered_kv * a,
+                   Term.TSP_DKV_SUMS: z.gathered_kv * 4, Term.TSP_DKV_LAST_CHUNK: z.gathered_kv * a,
+                   Term.TSP_DQ: z.bucket_query_heads * uh, **_kernel_backward(z)}
+                  for done in done_before), key=lambda t: sum(t.values()))
+    # an owner's projection backward (its dX GEMMs), its own bucket done
+    projections = max(({**remaining(done, done), Term.TSP_OUTPUT_GRAD_FP32: z.fp32_hidden,
+                        Term.TSP_DX_SUM_FP32: z.fp32_hidden if done > 1 and a != 4 else 0,
+                        Term.TSP_DX_GEMMS: 3 * s.hidden} for done in range(1, min(d, 2) + 1)),
+                      key=lambda t: sum(t.values()))
     return AttentionTerms(saved=saved, forward=forward, forward_nograd=nograd,
                           backward=[("dK/dV summed and stacked per rank", dkv), ("a bucket's kernel", kernel),
                                     ("an owner's projections (dX summed in fp32)", projections)])
