@@ -15,7 +15,13 @@ from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.state import ATTENTION_NORM, FFN_NORM, mlp_saved, mlp_tile, norm_out
 from titan_upipe.plan.terms import Term, Terms
-from titan_upipe.plan.tsp import tsp_attention, tsp_mlp_backward, tsp_mlp_forward, tsp_mlp_saved
+from titan_upipe.plan.tsp import (
+    tsp_attention,
+    tsp_mlp_backward,
+    tsp_mlp_forward,
+    tsp_mlp_grads,
+    tsp_mlp_saved,
+)
 from titan_upipe.plan.upipe import upipe_attention
 
 
@@ -151,8 +157,7 @@ def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool) ->
         where, inner = block_forward_peak(s, att, grad=True, block_output=not job.offloaded)
         moments.insert(0, BlockMoment(f"recompute forward ({where})", {**common, **inner}, {}))
     # 2) ffn_norm backward (the MLP's saved tensors are gone, its dX is the norm's incoming grad)
-    mlp_done = ({Term.TSP_MLP_GRADS: 4 * 3 * m.dim * (m.ffn_dim // job.cp)} if job.tsp
-                else {Term.GRADS_MLP: 3 * m.dim * m.ffn_dim * p})
+    mlp_done = tsp_mlp_grads(s) if job.tsp else {Term.GRADS_MLP: 3 * m.dim * m.ffn_dim * p}
     moments.append(BlockMoment("ffn_norm backward", {**common, **n1, **att.saved, **h, Term.MLP_DX_TO_NORM: u,
                                                      **_ffn_norm_backward(s)}, mlp_done))
     # 3) attention backward (MLP and ffn_norm done; grad of h held for the residual)

@@ -20,7 +20,7 @@ from functools import cached_property
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, valid_heads_per_stage
 from titan_upipe.plan.dims import ModelDims
 from titan_upipe.plan.units import GIB
-from titan_upipe.tsp.shards import tsp_problems
+from titan_upipe.tsp.shards import bucket_problems, tsp_problems
 
 MODES: tuple[str, ...] = ("none", *CP_MODES, "upipe-in-usp")
 """The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``: ulysses,
@@ -247,10 +247,7 @@ class PlanInput:
         if self.ranks != self.cp:
             problems.append(f"tsp runs without data parallelism: world size {self.ranks} must equal the TSP degree "
                             f"{self.cp}")
-        kv = m.n_kv_heads // self.cp if m.n_kv_heads % self.cp == 0 else 0
-        if kv and self.tsp_kv_heads_per_bucket and kv % self.tsp_kv_heads_per_bucket:
-            problems.append(f"tsp.kv_heads_per_bucket = {self.tsp_kv_heads_per_bucket} does not divide the {kv} KV "
-                            "heads per rank")
+        problems += bucket_problems(m.n_kv_heads, self.cp, self.tsp_kv_heads_per_bucket)
         for setting, on in (("tiled_mlp", self.tiled_mlp), ("fused_rope", self.fused_rope),
                             ("optimizer.state_on_host", self.optimizer_state_on_host), ("packed documents", self.documents)):
             if on:

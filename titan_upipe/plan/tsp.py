@@ -195,6 +195,11 @@ def tsp_attention(s: StepSizes) -> AttentionTerms:
                                     ("an owner's projections (dX summed in fp32)", projections)])
 
 
+def tsp_mlp_grads(s: StepSizes) -> Terms:
+    """The block's w1/w2/w3 gradients once the ring MLP's backward is done: its fp32 shard."""
+    return {Term.TSP_MLP_GRADS: 4 * TSPSizes.of(s).mlp_shard}
+
+
 def tsp_mlp_saved(s: StepSizes) -> Terms:
     """The ring MLP's saved tensors: every step's shard, and without ``mlp_recompute`` each step's
     two ``[T, f]`` projections."""

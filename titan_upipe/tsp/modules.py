@@ -40,7 +40,7 @@ from titan_upipe.transforms.tiled_mlp import is_swiglu_feed_forward
 from titan_upipe.tsp.attention import tsp_attention
 from titan_upipe.tsp.collectives import CommLog
 from titan_upipe.tsp.mlp import tsp_gated_mlp
-from titan_upipe.tsp.shards import TSPShards, pack_attention_shard, pack_mlp_shard
+from titan_upipe.tsp.shards import TSPShards, bucket_problems, pack_attention_shard, pack_mlp_shard
 
 Tensor = torch.Tensor
 
@@ -80,11 +80,9 @@ class TSPAttention(ContextParallelAttention):
         super().__init__(source, spec, "tsp", mesh, build_schedule(spec.n_heads, spec.n_kv_heads, 1, spec.n_heads),
                          backend, ring_degree=degree, compute_dtype=compute_dtype)
         self.shards = shards
-        if kv_heads_per_bucket and self.shards.kv_heads % kv_heads_per_bucket:
-            raise ConfigError(f"tsp.kv_heads_per_bucket = {kv_heads_per_bucket} does not divide the "
-                              f"{self.shards.kv_heads} KV heads per rank (n_kv_heads {spec.n_kv_heads} / TSP degree "
-                              f"{degree}): use 0 or one of "
-                              f"{[k for k in range(1, self.shards.kv_heads + 1) if self.shards.kv_heads % k == 0]}")
+        problems = bucket_problems(spec.n_kv_heads, degree, kv_heads_per_bucket)
+        if problems:
+            raise ConfigError(problems[0])
         self.kv_heads_per_bucket, self.overlap = kv_heads_per_bucket, overlap
         self.comm_log: CommLog | None = None
         """A ``CommLog`` here counts the bytes this rank receives (tests, benchmarks)."""

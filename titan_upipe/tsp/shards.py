@@ -61,6 +61,17 @@ def tsp_problems(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_l
     return problems
 
 
+def bucket_problems(n_kv_heads: int, degree: int, kv_heads_per_bucket: int) -> list[str]:
+    """Why ``kv_heads_per_bucket`` (``[tsp]``; 0: all of a rank's) cannot bucket the ``n_kv_heads / degree``
+    KV heads a rank owns (empty: it can, or the degree itself does not split them: ``tsp_problems``)."""
+    kv_per_rank = n_kv_heads // degree if degree >= 1 and n_kv_heads % degree == 0 else 0
+    if not (kv_heads_per_bucket and kv_per_rank) or kv_per_rank % kv_heads_per_bucket == 0:
+        return []
+    return [f"tsp.kv_heads_per_bucket = {kv_heads_per_bucket} does not divide the {kv_per_rank} KV heads per rank "
+            f"(n_kv_heads {n_kv_heads} / {degree}): use 0 or one of "
+            f"{[k for k in range(1, kv_per_rank + 1) if kv_per_rank % k == 0]}"]
+
+
 def check_tsp_degree(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_len: int | None = None) -> None:
     problems = tsp_problems(n_heads, n_kv_heads, ffn_dim, degree, seq_len)
     if problems:

@@ -12,7 +12,7 @@ from titan_upipe.torchtitan_0_2.config import (
     plugin_fields,
 )
 from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim, flavor_args
-from titan_upipe.tsp.shards import tsp_problems
+from titan_upipe.tsp.shards import bucket_problems, tsp_problems
 
 
 def degrees_besides_shard(parallelism) -> int:
@@ -242,10 +242,7 @@ def check_tsp(job_config, world_size: int) -> None:
     n_heads, n_kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
     # sequence lengths: CPLayout's 2 x degree (check_context_parallel, check_validation)
     problems = tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree)
-    bucket, kv_per_rank = job_config.tsp.kv_heads_per_bucket, n_kv_heads // degree
-    if bucket and kv_per_rank and kv_per_rank % bucket:
-        problems.append(f"tsp.kv_heads_per_bucket = {bucket} does not divide the {kv_per_rank} KV heads per rank "
-                        f"(n_kv_heads {n_kv_heads} / {degree}): use 0 or one of {divisors(kv_per_rank)}")
+    problems += bucket_problems(n_kv_heads, degree, job_config.tsp.kv_heads_per_bucket)
     problems += [f"model.converters has 'tsp' and {name!r}: {why}; remove {name!r}"
                  for name, why in TSP_CONFLICTS.items() if name in converters]
     if data_parallel_degree(par, world_size) not in (None, 1):
