@@ -8,12 +8,21 @@ CPU (default): spawns ``--cp`` gloo ranks on this machine; peak memory is the
 ``LiveTensorTracker``'s peak of live tensor bytes created in the layer (inputs and weights
 excluded). CUDA (``--device cuda``): one rank per GPU under ``torchrun`` (NCCL), or a
 1-rank mesh on one GPU without it; peak memory is ``torch.cuda.max_memory_allocated``
-above what was allocated before the step. Times are the median over ``--iters`` steps,
-the slowest rank's.
+above what was allocated before the step. Times are the median over ``--iters`` steps of
+the slowest rank's time; a variant's calls (causal, and each document layout) take turns step by
+step, so a change in the machine's speed during the run shifts them alike.
 
 ``--documents`` adds, for every variant, the same call with a ``document_mask`` (block-causal
 attention over packed documents: a few long documents among many short ones,
-``document_lengths``) next to the plain causal call; ``--modes local`` is the local kernel alone
+``document_lengths``) next to the plain causal call (``--no-causal``: without it). The ring modes
+(ring, usp, upipe_usp) run it under each ``--document-balance`` (``[upipe] document_balance``):
+``zigzag``, the fixed zigzag's chunks, and ``documents``, the batch's document-aware layout
+(``document_mask(ids, mesh, balance="documents", min_split=--min-split)``, the inputs sharded by
+its ``BatchDocumentLayout``); modes without a ring have one layout and one row. For every ring
+degree the header then gives the batch's computed ring work per balance (on the layout each row
+ran: busiest / mean ring rank, and the ring schedule's attention time over balanced,
+``ring_balance``) and the table ends with the measured zigzag / documents time of each ring
+variant beside the computed one. ``--modes local`` is the local kernel alone
 (one rank's heads after the Ulysses all-to-all, H/C query and max(KV/C, 1) K/V heads, over the
 whole sequence): causal, and with ``--documents`` causal on each document segment (one call per
 segment on CPU, one varlen call on CUDA). A variant that refuses document masks (ConfigError:
@@ -31,6 +40,8 @@ Examples::
         --modes ulysses ring usp upipe_usp --ulysses-degree 2
     python scripts/bench_attention.py --cp 2 --model llama3 --n-heads 8 --n-kv-heads 2 --head-dim 64 \\
         --seq-len 4096 --modes local ulysses upipe --heads-per-stage 2 --documents
+    python scripts/bench_attention.py --cp 4 --n-heads 8 --n-kv-heads 2 --head-dim 64 --dim 128 \\
+        --seq-len 16384 --modes ring --documents --no-causal --min-split 1024
     torchrun --nproc_per_node 8 scripts/bench_attention.py --device cuda --dtype bfloat16 \\
         --n-heads 64 --n-kv-heads 8 --head-dim 128 --dim 5120 --seq-len 131072
 """
@@ -48,6 +59,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
 
 MODES = ("ulysses", "upipe", "ring", "usp", "upipe_usp", "local")
 
@@ -85,6 +98,58 @@ class Row:
     model_backward_mib: float | None = None
     paper_forward_mib: float | None = None
     paper_backward_mib: float | None = None
+    variant: str = ""
+    """The variant's label without the mask (pairs a ring variant's two balances)."""
+    balance: str | None = None
+    """``document_balance`` of a ring variant's documents row; None otherwise."""
+    degrees: tuple[int, int] | None = None
+    """``(ring, ulysses)`` degrees of a ring variant's documents row (its computed work's key)."""
+    step_samples_ms: list[float] | None = None
+    """Each timed step's milliseconds (the slowest rank's); ``step_ms`` is their median."""
+    cpu_samples_ms: list[float] | None = None
+    """Each timed step's process CPU milliseconds of the busiest rank (``_time_steps``)."""
+    cpu_total_samples_ms: list[float] | None = None
+    """Each timed step's process CPU milliseconds summed over the ranks."""
+
+    @property
+    def cpu_ms(self) -> float:
+        return statistics.median(self.cpu_samples_ms)
+
+    @property
+    def cpu_total_ms(self) -> float:
+        return statistics.median(self.cpu_total_samples_ms)
+
+
+@dataclass
+class RingLayout:
+    """The layout one ring variant's documents rows ran on: ``ring_runs[b][r]``, ring rank ``r``'s
+    ``(start, stop)`` token runs of row ``b`` (``DocumentMask.ring_runs``), and the seconds
+    ``document_mask`` took to build the mask with it (per batch, in the loader in training)."""
+
+    ring_size: int
+    ulysses_size: int
+    balance: str
+    ring_runs: tuple
+    build_s: float
+
+
+@dataclass(frozen=True)
+class RingBalance:
+    """The batch's computed ring work under one layout (``ring_balance``)."""
+
+    ring_size: int
+    ulysses_size: int
+    balance: str
+    busiest_over_mean: float
+    """max / mean over ring ranks of the visible (query, key) pairs whose query the rank holds."""
+    schedule: float
+    """Attention time of one layer (forward + ``BWD_FACTOR`` x backward) through the ring's exchange
+    order (``costs.document_balance.simulate_ring``, transfers free) over the same work balanced."""
+    shared_cores: float | None
+    """The same time when ``R x U`` ranks share ``cores`` cores (lockstep steps: a step lasts as long
+    as its busiest rank, or its total work over the cores, whichever is longer), over balanced;
+    None when every rank has a core."""
+    build_ms: float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,7 +179,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--documents", action="store_true",
                    help="add each variant with a block-causal document mask (a few long among many short documents)")
     p.add_argument("--doc-seed", type=int, default=0, help="seed of the document lengths (row b: seed + b)")
-    return p.parse_args(argv)
+    p.add_argument("--document-balance", nargs="+", choices=DOCUMENT_BALANCES, default=list(DOCUMENT_BALANCES),
+                   help="ring modes with --documents: the layouts to run ([upipe] document_balance)")
+    p.add_argument("--min-split", type=int, default=DEFAULT_MIN_SPLIT,
+                   help="document_balance = documents: documents this long (or S/(4R) when shorter: "
+                        "costs.document_balance.split_threshold) are zigzagged inside themselves")
+    p.add_argument("--no-causal", action="store_true", help="with --documents: skip the plain causal calls")
+    args = p.parse_args(argv)
+    if args.no_causal and not args.documents:
+        p.error("--no-causal leaves nothing to run without --documents")
+    return args
 
 
 def document_lengths(seq_len: int, seed: int, n_long: int = 2) -> list[int]:
@@ -157,6 +231,46 @@ def describe_documents(args: argparse.Namespace) -> str:
     return "; ".join(f"row {b}: {len(r)} documents, longest {max(r)}, median {int(np.median(r))}, "
                      f"shortest {min(r)} tokens, {100 * visible_fraction(r):.1f} % of causal's visible pairs"
                      for b, r in enumerate(rows))
+
+
+BWD_FACTOR = 2.5
+"""Attention backward / forward work in ``RingBalance.schedule`` (``scripts/bench_document_balance.py``'s)."""
+
+
+def ring_step_work(rows: list[list[int]], ring_runs, ring_size: int) -> np.ndarray:
+    """``W[r, t]`` summed over the batch: the visible pairs ring rank ``r`` computes at ring step
+    ``t`` (``costs.document_balance.step_work``), row ``b`` with document lengths ``rows[b]`` laid out
+    as ``ring_runs[b]`` (each ring rank's ``(start, stop)`` runs)."""
+    from titan_upipe.costs.document_balance import runs_intervals, step_work
+
+    work = np.zeros((ring_size, ring_size), dtype=np.int64)
+    for lengths, runs in zip(rows, ring_runs, strict=True):
+        work += step_work(lengths, runs_intervals(runs), ring_size)
+    return work
+
+
+def _shared_core_time(work: np.ndarray, ulysses_size: int, cores: int) -> float:
+    """Lockstep ring steps on ``cores`` cores shared by ``R x U`` ranks, each ring rank's work split
+    over its ``U`` Ulysses ranks: step ``t`` takes ``max(max_r W[r, t] / U, sum_r W[r, t] / cores)``."""
+    return float(np.maximum(work.max(axis=0) / ulysses_size, work.sum(axis=0) / cores).sum())
+
+
+def ring_balance(rows: list[list[int]], layout: RingLayout, cores: int | None = None) -> RingBalance:
+    """The computed ring work of the batch (document lengths ``rows``) on ``layout``, relative to the
+    same work perfectly balanced (``RingBalance``). ``cores``: the cores the ranks share (CPU)."""
+    from titan_upipe.costs.document_balance import simulate_ring
+
+    R, U = layout.ring_size, layout.ulysses_size
+    work = ring_step_work(rows, layout.ring_runs, R).astype(float)
+    per_rank, total = work.sum(axis=1), work.sum()
+    schedule = (simulate_ring(work) + simulate_ring(BWD_FACTOR * work, backward=True)) / ((1 + BWD_FACTOR) * total / R)
+    shared = None
+    if cores is not None and R * U > cores:
+        # balanced: every step's work spread evenly over the ranks, total / R^2 per ring rank
+        flat = np.full_like(work, total / R**2)
+        shared = _shared_core_time(work, U, cores) / _shared_core_time(flat, U, cores)
+    return RingBalance(R, U, layout.balance, float(per_rank.max() / per_rank.mean()), float(schedule), shared,
+                       1e3 * layout.build_s)
 
 
 def _variants(args: argparse.Namespace, cp: int) -> list[Variant]:
@@ -289,35 +403,82 @@ def _local_case(args: argparse.Namespace, cp: int, device: torch.device, dtype: 
     return make_run, (q, k, v), torch.randn_like(q)
 
 
-def _time_steps(run, inputs, grad_y, args, mesh, device, zero_grad) -> float:
-    """Median seconds of a forward+backward over ``--iters`` steps after ``--warmup``."""
-    times = []
+def _time_steps(cases, args: argparse.Namespace, mesh, device: torch.device, zero_grad) -> list:
+    """``(wall, CPU)`` seconds of each forward+backward step of every case ``(run, inputs, grad_y)``,
+    ``--iters`` steps after ``--warmup``, the cases taken in turn at every iteration (so a machine that
+    slows down or speeds up over the run shifts them alike); ``ConfigError`` for a case that refused.
+    CPU: this process's (``time.process_time``): on CPU ranks, the time it computed, without the
+    time it waited for its ring peers or for a core."""
+    from titan_upipe.errors import ConfigError
+
+    times: list = [[] for _ in cases]
     for i in range(args.warmup + args.iters):
-        fresh = _fresh(inputs)
-        dist.barrier(group=mesh.get_group())
-        _sync(device)
-        start = time.perf_counter()
-        run(*fresh).backward(grad_y)
-        _sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-        zero_grad()
-    return statistics.median(times)
+        for c, (run, inputs, grad_y) in enumerate(cases):
+            if isinstance(times[c], ConfigError):
+                continue
+            fresh = _fresh(inputs)
+            dist.barrier(group=mesh.get_group())
+            _sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                run(*fresh).backward(grad_y)
+            except ConfigError as err:  # refused before any collective, on every rank alike
+                times[c] = err
+                continue
+            _sync(device)
+            if i >= args.warmup:
+                times[c].append((time.perf_counter() - start, time.process_time() - cpu_start))
+            zero_grad()
+    return times
 
 
-def _document_masks(args: argparse.Namespace, device: torch.device) -> list:
-    """``[None]``, and with ``--documents`` the mask of ``document_ids`` with its segments
-    computed (once per mask in training too: every layer reads the same mask)."""
-    if not args.documents:
-        return [None]
+def _document_masks(args: argparse.Namespace, device: torch.device, mesh=None) -> list[tuple[str | None, object]]:
+    """``(balance, mask)`` of a variant's calls: ``(None, None)`` (plain causal) unless
+    ``--no-causal``, and with ``--documents`` the mask of ``document_ids``, with its segments computed
+    (once per mask in training too: every layer reads the same mask): on a ring ``mesh`` one per
+    ``--document-balance``, otherwise one (balance None: the layout is the mesh's own)."""
     from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.mesh import mesh_degrees
 
-    mask = document_mask(document_ids(args).to(device))
-    _ = mask.document_segments
-    return [None, mask]
+    out: list[tuple[str | None, object]] = [] if args.no_causal else [(None, None)]
+    if not args.documents:
+        return out
+    ids = document_ids(args).to(device)
+    balances = args.document_balance if mesh is not None and mesh_degrees(mesh)[0] > 1 else [None]
+    for balance in balances:
+        mask = document_mask(ids, mesh, balance=balance or "zigzag", min_split=args.min_split)
+        _ = mask.document_segments
+        out.append((balance, mask))
+    return out
 
 
-def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row]:
+def _ring_layout(args: argparse.Namespace, mesh, balance: str, mask) -> RingLayout:
+    """The ring runs ``mask`` lays the batch out in on ``mesh``, and the time to build such a mask."""
+    from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.mesh import mesh_degrees
+
+    ring, ulysses = mesh_degrees(mesh)
+    ids = document_ids(args)
+    start = time.perf_counter()
+    document_mask(ids, mesh, balance=balance, min_split=args.min_split)
+    seconds = time.perf_counter() - start
+    return RingLayout(ring, ulysses, balance, mask.ring_runs(ring), seconds)
+
+
+def _layer_case(layer, table, mesh, mask, x_full, grad_full):
+    """``(run, inputs, grad_y)`` of a converted layer on this rank's shard: the balanced mask's
+    layout places each row's tokens (and their positions) per batch; otherwise the mesh's own."""
+    from titan_upipe.parallel import shard_sequence
+
+    batch_layout = None if mask is None else mask.layout
+    x_local, positions = shard_sequence(x_full, mesh, 1, batch_layout)
+    grad_y = shard_sequence(grad_full, mesh, 1, batch_layout)[0]
+    return (lambda x: layer(x, table, mask, positions)), (x_local,), grad_y
+
+
+def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> tuple[list[Row], list[RingLayout]]:
+    """Every variant's rows (the slowest rank's time, the largest peaks) and the layouts the ring
+    variants' documents rows ran on."""
     from titan_upipe.attention import convert_attention
     from titan_upipe.costs.attention_memory import (
         LayerShape,
@@ -327,7 +488,7 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
         upipe_forward_terms,
     )
     from titan_upipe.errors import ConfigError
-    from titan_upipe.parallel import context_parallel_mesh, shard_sequence
+    from titan_upipe.parallel import context_parallel_mesh
 
     cp = mesh.size()
     module, table, dim, dtype = _build(args, device)
@@ -335,37 +496,42 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
     grad_full = torch.randn_like(x_full)
     shape = LayerShape(args.n_heads, args.n_kv_heads, args.head_dim, cp, args.seq_len, args.batch, dim,
                        dtype.itemsize)
-    masks = _document_masks(args, device)
-    rows = []
+    rows, layouts, seen = [], [], set()
     for variant in _variants(args, cp):
         if variant.mode == "local":
-            make_run, inputs, grad_y = _local_case(args, cp, device, dtype)
-            stages = 1
+            make_run, local_inputs, local_grad = _local_case(args, cp, device, dtype)
+            stages, masks = 1, _document_masks(args, device)
+            cases = [(make_run(mask), local_inputs, local_grad) for _, mask in masks]
         else:
             variant_mesh = context_parallel_mesh(mesh, variant.mode, variant.ulysses_degree)
-            x_local, positions = shard_sequence(x_full, variant_mesh, seq_dim=1)
-            grad_y = shard_sequence(grad_full, variant_mesh, seq_dim=1)[0]
             layer = convert_attention(module, variant.mode, variant_mesh, variant.heads_per_stage,
                                       backend=args.backend)
-            inputs, stages = (x_local,), layer.schedule.n_stages
-
-            def make_run(mask, layer=layer, positions=positions):
-                return lambda x: layer(x, table, mask, positions)
-        for mask in masks:
-            run = make_run(mask)
-            try:
-                seconds = _time_steps(run, inputs, grad_y, args, mesh, device,
-                                      lambda: module.zero_grad(set_to_none=True))
-            except ConfigError as err:  # refused before any collective, on every rank alike
+            stages, masks = layer.schedule.n_stages, _document_masks(args, device, variant_mesh)
+            cases = [_layer_case(layer, table, variant_mesh, mask, x_full, grad_full) for _, mask in masks]
+        degrees = None
+        for balance, mask in masks:
+            if balance is not None:
+                layout = _ring_layout(args, variant_mesh, balance, mask)
+                degrees = (layout.ring_size, layout.ulysses_size)
+                if (layout.ring_size, layout.ulysses_size, balance) not in seen:
+                    seen.add((layout.ring_size, layout.ulysses_size, balance))
+                    layouts.append(layout)
+        timed = _time_steps(cases, args, mesh, device, lambda: module.zero_grad(set_to_none=True))
+        for (balance, mask), (run, inputs, grad_y), seconds in zip(masks, cases, timed, strict=True):
+            if isinstance(seconds, ConfigError):
                 if mesh.get_rank() == 0:
-                    print(f"skipped {variant.label} with documents: {err}")
+                    print(f"skipped {variant.label} with documents: {seconds}")
                 continue
             no_grad = _peak_forward_no_grad(run, inputs, device)
             fwd, bwd = _peak_step(run, _fresh(inputs), grad_y, device)
             module.zero_grad(set_to_none=True)
             mib = 2.0**20
-            label = variant.label + (", documents" if mask is not None else "")
-            row = Row(label, stages, 1e3 * seconds, no_grad / mib, fwd / mib, bwd / mib)
+            label = variant.label + (", documents" if mask is not None else "") + \
+                (f", balance={balance}" if balance is not None else "")
+            row = Row(label, stages, 1e3 * statistics.median(t for t, _ in seconds), no_grad / mib, fwd / mib,
+                      bwd / mib, variant=variant.label, balance=balance,
+                      degrees=degrees if balance is not None else None,
+                      step_samples_ms=[1e3 * t for t, _ in seconds], cpu_samples_ms=[1e3 * c for _, c in seconds])
             if args.compare_model and variant.mode == "upipe" and not variant.ulysses_degree and mask is None:
                 u = layer.heads_per_stage
                 row.model_forward_mib = sum(upipe_forward_terms(shape, u).values()) / mib
@@ -378,29 +544,97 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> list[Row
     gathered: list[list[Row] | None] = [None] * cp
     dist.all_gather_object(gathered, rows, group=mesh.get_group())
     for i, row in enumerate(rows):
-        row.step_ms = max(r[i].step_ms for r in gathered)
+        # each step as long as its slowest rank
+        row.step_samples_ms = [max(steps) for steps in zip(*(r[i].step_samples_ms for r in gathered), strict=True)]
+        row.step_ms = statistics.median(row.step_samples_ms)
+        per_rank_cpu = list(zip(*(r[i].cpu_samples_ms for r in gathered), strict=True))
+        row.cpu_samples_ms = [max(steps) for steps in per_rank_cpu]
+        row.cpu_total_samples_ms = [sum(steps) for steps in per_rank_cpu]
         row.forward_no_grad_peak_mib = max(r[i].forward_no_grad_peak_mib for r in gathered)
         row.forward_peak_mib = max(r[i].forward_peak_mib for r in gathered)
         row.backward_peak_mib = max(r[i].backward_peak_mib for r in gathered)
-    return rows
+    return rows, layouts
 
 
-def format_table(args: argparse.Namespace, cp: int, rows: list[Row], device_name: str) -> str:
+def balance_lines(args: argparse.Namespace, rows: list[Row], layouts: list[RingLayout],
+                  cores: int | None = None) -> tuple[list[str], list[str]]:
+    """(header lines, lines after the table): each ring layout's computed work (``ring_balance``) and
+    each ring variant's measured fwd+bwd time zigzag / documents beside the computed ratio."""
+    from titan_upipe.costs.document_balance import split_threshold
+
+    lengths = [document_lengths(args.seq_len, args.doc_seed + b) for b in range(args.batch)]
+    computed = {(b.ring_size, b.ulysses_size, b.balance): b for b in (ring_balance(lengths, lay, cores)
+                                                                     for lay in layouts)}
+    head = []
+    for b in computed.values():
+        shared = "" if b.shared_cores is None else f", {b.shared_cores:.3f} on {cores} shared cores"
+        # the job's layout zigzags documents from min(min_split, S / 4R) tokens on
+        threshold = split_threshold(args.seq_len, b.ring_size, args.min_split)
+        split = f", min_split {args.min_split} (splits documents >= {threshold})" if b.balance == "documents" else ""
+        head.append(f"ring R={b.ring_size} x U={b.ulysses_size}, balance={b.balance}{split}: busiest / mean "
+                    f"ring work {b.busiest_over_mean:.3f}, ring schedule {b.schedule:.3f}{shared} x balanced "
+                    f"(computed); mask built in {b.build_ms:.1f} ms")
+    tail = []
+    by_variant: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        if r.balance is not None:
+            by_variant.setdefault(r.variant, {})[r.balance] = r
+    for variant, pair in by_variant.items():
+        if set(pair) != {"zigzag", "documents"}:
+            continue
+        zz, dd = (computed[(*pair[b].degrees, b)] for b in ("zigzag", "documents"))
+        predicted = f"{zz.schedule / dd.schedule:.3f}"
+        if zz.shared_cores is not None:
+            predicted += f" ({zz.shared_cores / dd.shared_cores:.3f} on {cores} shared cores)"
+        # steps of the two balances alternate, so each pair of steps ran on the same machine state
+        wall = _paired_ratios(pair["zigzag"].step_samples_ms, pair["documents"].step_samples_ms)
+        tail.append(f"{variant}: measured fwd+bwd zigzag / documents {wall}; computed attention time {predicted}")
+        if cores is not None:
+            cpu = _paired_ratios(pair["zigzag"].cpu_samples_ms, pair["documents"].cpu_samples_ms)
+            tail.append(f"{variant}: busiest rank's CPU time zigzag / documents {cpu}; computed busiest / mean "
+                        f"ring work {zz.busiest_over_mean / dd.busiest_over_mean:.3f}")
+            # all ranks' CPU time over the wall time: the cores the step kept busy on average
+            busy = ", ".join(f"{b} {_cores_busy(pair[b]):.2f}" for b in ("zigzag", "documents"))
+            tail.append(f"{variant}: cores busy (all ranks' CPU time / wall time, median) {busy} of {cores}")
+    return head, tail
+
+
+def _cores_busy(row: Row) -> float:
+    """Median over the steps of all ranks' CPU time over the wall time."""
+    return statistics.median(c / w for c, w in zip(row.cpu_total_samples_ms, row.step_samples_ms, strict=True))
+
+
+def _paired_ratios(numerators: list[float], denominators: list[float]) -> str:
+    """The median of the step-by-step ratios, and their range."""
+    ratios = sorted(a / b for a, b in zip(numerators, denominators, strict=True))
+    return f"{statistics.median(ratios):.3f} (median of {len(ratios)} step pairs, {ratios[0]:.3f}-{ratios[-1]:.3f})"
+
+
+def format_table(args: argparse.Namespace, cp: int, rows: list[Row], device_name: str,
+                 layouts: list[RingLayout] = (), cores: int | None = None) -> str:
     head = (f"{args.model} H={args.n_heads} KV={args.n_kv_heads} D={args.head_dim} dim={args.dim} "
             f"S={args.seq_len} B={args.batch} C={cp} {args.dtype} backend={args.backend} on {device_name}, "
             f"torch {torch.__version__}{', weights frozen' if args.frozen_weights else ''}")
     cols = ["variant", "stages", "fwd+bwd ms", "fwd no-grad peak MiB", "fwd peak MiB", "bwd peak MiB"]
+    cpu_column = bool(layouts) and cores is not None  # spawned CPU ranks with document layouts
+    if cpu_column:
+        cols[3:3] = ["busiest rank CPU ms", "all ranks CPU ms"]
     if args.compare_model:
         cols += ["model fwd", "model bwd", "paper T2 fwd", "paper T6 bwd"]
-    lines = [head, *([f"documents: {describe_documents(args)}"] if args.documents else []), "",
+    balance_head, balance_tail = balance_lines(args, rows, list(layouts), cores) if layouts else ([], [])
+    lines = [head, *([f"documents: {describe_documents(args)}"] if args.documents else []), *balance_head, "",
              "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         cells = [r.label, str(r.stages), f"{r.step_ms:.1f}", f"{r.forward_no_grad_peak_mib:.2f}",
                  f"{r.forward_peak_mib:.2f}", f"{r.backward_peak_mib:.2f}"]
+        if cpu_column:
+            cells[3:3] = [f"{r.cpu_ms:.1f}", f"{r.cpu_total_ms:.1f}"]
         if args.compare_model:
             cells += ["-" if v is None else f"{v:.2f}" for v in
                       (r.model_forward_mib, r.model_backward_mib, r.paper_forward_mib, r.paper_backward_mib)]
         lines.append("| " + " | ".join(cells) + " |")
+    if balance_tail:
+        lines += ["", *balance_tail]
     return "\n".join(lines)
 
 
@@ -412,9 +646,12 @@ def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, re
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        rows = bench_rank(args, mesh, torch.device("cpu"))
+        rows, layouts = bench_rank(args, mesh, torch.device("cpu"))
         if rank == 0:
-            results.put([asdict(r) for r in rows])
+            results.put(([asdict(r) for r in rows], [asdict(lay) for lay in layouts]))
+        # every rank done before any tears its groups down: a gloo peer whose other side closed
+        # mid-teardown aborted the process now and then ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -430,10 +667,10 @@ def main(argv: list[str] | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
-        rows = bench_rank(args, mesh, device)
+        rows, layouts = bench_rank(args, mesh, device)
         if dist.get_rank() == 0:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-            print(format_table(args, mesh.size(), rows, name))
+            print(format_table(args, mesh.size(), rows, name, layouts))
         dist.destroy_process_group()
         return
     if args.device == "cuda":
@@ -452,8 +689,9 @@ def main(argv: list[str] | None = None) -> None:
         proc.join()
     if any(proc.exitcode != 0 for proc in procs):
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    rows = [Row(**r) for r in results.get(timeout=10)]
-    print(format_table(args, args.cp, rows, f"{os.cpu_count()}-core CPU (gloo)"))
+    rows, layouts = results.get(timeout=10)
+    print(format_table(args, args.cp, [Row(**r) for r in rows], f"{os.cpu_count()}-core CPU (gloo)",
+                       [RingLayout(**lay) for lay in layouts], os.cpu_count()))
 
 
 def _free_port() -> int:

@@ -59,60 +59,7 @@ from titan_upipe.costs.document_balance import (  # noqa: E402
     step_work,
     zigzag_intervals,
 )
-
-SHORT_MEDIAN = 2048
-SHORT_SIGMA = 0.9
-SHORT_MIN, SHORT_MAX = 32, 32 * 1024
-LONG_MIN, LONG_MAX = 100 * 1024, 1024 * 1024
-
-
-def short_docs(rng: np.random.Generator, n: int) -> np.ndarray:
-    x = rng.lognormal(np.log(SHORT_MEDIAN), SHORT_SIGMA, size=n)
-    return np.clip(np.round(x), SHORT_MIN, SHORT_MAX).astype(np.int64)
-
-
-def long_docs(rng: np.random.Generator, n: int) -> np.ndarray:
-    return np.round(np.exp(rng.uniform(np.log(LONG_MIN), np.log(LONG_MAX), size=n))).astype(np.int64)
-
-
-def pack(stream: np.ndarray, seq_len: int, rng: np.random.Generator) -> list[int]:
-    """A window of ``seq_len`` tokens of the document stream, starting inside its first document."""
-    offset = int(rng.integers(0, stream[0]))
-    lengths, need = [int(stream[0]) - offset], seq_len - (int(stream[0]) - offset)
-    for L in stream[1:]:
-        if need <= 0:
-            break
-        lengths.append(int(min(L, need)))
-        need -= lengths[-1]
-    if need > 0:
-        raise RuntimeError("stream too short")
-    if lengths[0] > seq_len:
-        lengths = [seq_len]
-    elif sum(lengths) > seq_len:
-        lengths[-1] -= sum(lengths) - seq_len
-    return [L for L in lengths if L > 0]
-
-
-def mixed_stream(rng: np.random.Generator, seq_len: int, p_long: float) -> np.ndarray:
-    n = 4 * seq_len // SHORT_MEDIAN + 16
-    docs = short_docs(rng, n)
-    is_long = rng.random(n) < p_long
-    docs[is_long] = long_docs(rng, int(is_long.sum()))
-    return docs
-
-
-def make_batch(mix: str, seq_len: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    if mix.startswith("mixed-"):
-        return pack(mixed_stream(rng, seq_len, float(mix.split("-")[1])), seq_len, rng)
-    if mix == "all-short":
-        return pack(mixed_stream(rng, seq_len, 0.0), seq_len, rng)
-    if mix == "causal":
-        return [seq_len]
-    if mix in ("long-start", "long-end"):
-        fill = pack(mixed_stream(rng, seq_len, 0.0), seq_len // 2, rng)
-        return [seq_len // 2, *fill] if mix == "long-start" else [*fill, seq_len // 2]
-    raise ValueError(mix)
+from titan_upipe.costs.document_mixes import LONG_MIN, make_batch  # noqa: E402
 
 
 def layouts(lengths: list[int], seq_len: int, R: int, min_split: int) -> dict[str, np.ndarray]:
@@ -136,7 +83,52 @@ def _attention_time(w: np.ndarray, comm: float, bwd_factor: float) -> float:
     return simulate_ring(w, comm) + simulate_ring(bwd_factor * w, 3 * comm, backward=True)
 
 
-def main() -> None:
+def batch_rows(lengths: list[int], mix: str, seed: int, rings: list[int], args: argparse.Namespace) -> list[dict]:
+    """Every metric of one batch (document ``lengths``) on every layout, for each ring size."""
+    S = int(sum(lengths))
+    rows = []
+    for R in rings:
+        for name, lay in layouts(lengths, S, R, args.min_split).items():
+            W = step_work(lengths, lay, R).astype(float)
+            imb = imbalance(W)
+            flat = np.full_like(W, W.sum() / R**2)
+            bf = args.bwd_factor
+            sim = ((simulate_ring(W) + simulate_ring(bf * W, backward=True))
+                   / ((1 + bf) * W.sum() / R))
+            c = args.comm_pairs * S / R
+
+            lin = args.tok_pairs * S / R
+            model = (lin + _attention_time(W, c, bf)) / (lin + _attention_time(flat, c, bf))
+            rows.append({"mix": mix, "S": S, "R": R, "seed": seed, "layout": name,
+                         "total": imb["total"], "lockstep": imb["stepwise"], "sim": sim,
+                         "model": model, "comm_bound": bool(3 * c > bf * W.sum() / R**2),
+                         "runs": int(len(merge_runs(lay)))})
+    return rows
+
+
+KEY_MIXES = ("mixed-0.005", "mixed-0.02", "all-short", "long-start")
+KEY_LAYOUTS = ("zigzag", "snake-16", "greedy-8", "doczz", "doczz-g")
+
+
+def key_results(rows: list[dict], rings: list[int]) -> list[str]:
+    """The summary table: ``sim`` and ``model`` per (mix, layout, R), mean over every batch of the
+    mix (all seeds and sequence lengths pooled) / the worst batch, two decimals."""
+    lines = ["| mix | layout | " + " | ".join(f"R = {R} sim" for R in rings) + " | "
+             + " | ".join(f"R = {R} model" for R in rings) + " |",
+             "|---|---|" + "---|" * (2 * len(rings))]
+    for mix in KEY_MIXES:
+        for name in KEY_LAYOUTS:
+            cells = []
+            for metric in ("sim", "model"):
+                for R in rings:
+                    v = [r[metric] for r in rows if (r["mix"], r["layout"], r["R"]) == (mix, name, R)]
+                    cells.append(f"{np.mean(v):.2f} / {max(v):.2f}" if v else "-")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {mix} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1 << 20, 1 << 23])
     p.add_argument("--rings", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -150,8 +142,11 @@ def main() -> None:
                    help="time to send one token's K/V to the next ring rank, in pair-equivalents")
     p.add_argument("--bwd-factor", type=float, default=2.5, help="attention backward / forward work")
     p.add_argument("--json", type=Path, help="write every measurement here")
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def compute(args: argparse.Namespace) -> tuple[list[dict], dict, float]:
+    """Every batch's metrics (``batch_rows``), each (mix, S)'s batch statistics, and the seconds it took."""
     t0 = time.time()
     rows = []
     stats = {}
@@ -168,32 +163,23 @@ def main() -> None:
                     "max_doc": int(L.max()),
                     "work_vs_causal": float((L * (L + 1) // 2).sum() / (S * (S + 1) / 2)),
                 })
-                for R in args.rings:
-                    for name, lay in layouts(lengths, S, R, args.min_split).items():
-                        W = step_work(lengths, lay, R).astype(float)
-                        imb = imbalance(W)
-                        flat = np.full_like(W, W.sum() / R**2)
-                        bf = args.bwd_factor
-                        sim = ((simulate_ring(W) + simulate_ring(bf * W, backward=True))
-                               / ((1 + bf) * W.sum() / R))
-                        c = args.comm_pairs * S / R
+                rows += batch_rows(lengths, mix, seed, args.rings, args)
+    return rows, stats, time.time() - t0
 
-                        lin = args.tok_pairs * S / R
-                        model = (lin + _attention_time(W, c, bf)) / (lin + _attention_time(flat, c, bf))
-                        rows.append({"mix": mix, "S": S, "R": R, "seed": seed, "layout": name,
-                                     "total": imb["total"], "lockstep": imb["stepwise"], "sim": sim,
-                                     "model": model, "comm_bound": bool(3 * c > bf * W.sum() / R**2),
-                                     "runs": int(len(merge_runs(lay)))})
-    elapsed = time.time() - t0
 
-    print(f"# computed in {elapsed:.1f} s; seeds={args.seeds} min_split={args.min_split} "
-          f"tok_pairs={args.tok_pairs} comm_pairs={args.comm_pairs} bwd_factor={args.bwd_factor}")
-    print("\n## Batches\n")
-    print("| mix | S | docs (mean) | longest doc (mean) | tokens in docs >= 100K | doc-masked work / causal work |")
-    print("|---|---|---|---|---|---|")
+def report(args: argparse.Namespace, rows: list[dict], stats: dict, elapsed: float) -> str:
+    """The printed tables (markdown; docs/benchmarks/document_balance.md holds them)."""
+    out: list[str] = []
+    out.append(f"# computed in {elapsed:.1f} s; seeds={args.seeds} min_split={args.min_split} "
+               f"tok_pairs={args.tok_pairs} comm_pairs={args.comm_pairs} bwd_factor={args.bwd_factor}")
+    out.append("\n## Key results: mean over every batch of the mix (seeds and S pooled) / worst batch\n")
+    out.append("\n".join(key_results(rows, args.rings)))
+    out.append("\n## Batches\n")
+    out.append("| mix | S | docs (mean) | longest doc (mean) | tokens in docs >= 100K | doc-masked work / causal work |")
+    out.append("|---|---|---|---|---|---|")
     for (mix, S), st in stats.items():
-        print(f"| {mix} | {S} | {np.mean([s['docs'] for s in st]):.0f} | {np.mean([s['max_doc'] for s in st]):.0f} "
-              f"| {np.mean([s['long_share'] for s in st]):.2f} | {np.mean([s['work_vs_causal'] for s in st]):.4f} |")
+        out.append(f"| {mix} | {S} | {np.mean([s['docs'] for s in st]):.0f} | {np.mean([s['max_doc'] for s in st]):.0f} "
+                   f"| {np.mean([s['long_share'] for s in st]):.2f} | {np.mean([s['work_vs_causal'] for s in st]):.4f} |")
 
     groups = defaultdict(list)
     for r in rows:
@@ -204,9 +190,9 @@ def main() -> None:
                           ("sim", "ring.py schedule, fwd + bwd attention time / balanced (no transfer cost)"),
                           ("model", f"training-step time / the same with balanced attention "
                                     f"(tok_pairs={args.tok_pairs:.0f}, comm_pairs={args.comm_pairs:.0f})")):
-        print(f"\n## {metric}: {title}; mean over seeds [worst seed]\n")
-        print("| mix | S | R | " + " | ".join(names) + " |")
-        print("|---|---|---|" + "---|" * len(names))
+        out.append(f"\n## {metric}: {title}; mean over seeds [worst seed]\n")
+        out.append("| mix | S | R | " + " | ".join(names) + " |")
+        out.append("|---|---|---|" + "---|" * len(names))
         for mix in args.mixes:
             for S in args.seq_lens:
                 for R in args.rings:
@@ -214,25 +200,34 @@ def main() -> None:
                     for n in names:
                         v = [g[metric] for g in groups[(mix, S, R, n)]]
                         cells.append(f"{np.mean(v):.3f}" + (f" [{max(v):.3f}]" if len(v) > 1 else ""))
-                    print(f"| {mix} | {S >> 20}M | {R} | " + " | ".join(cells) + " |")
-    print("\n## Transfer-bound: share of batches whose mean backward step (bwd_factor x sum W / R^2) "
+                    out.append(f"| {mix} | {S >> 20}M | {R} | " + " | ".join(cells) + " |")
+    out.append("\n## Transfer-bound: share of batches whose mean backward step (bwd_factor x sum W / R^2) "
           "is shorter than its K/V + dK/dV transfer (3 x comm_pairs x S / R)\n")
-    print("| mix | " + " | ".join(f"S={S >> 20}M" for S in args.seq_lens) + " |")
-    print("|---|" + "---|" * len(args.seq_lens))
+    out.append("| mix | " + " | ".join(f"S={S >> 20}M" for S in args.seq_lens) + " |")
+    out.append("|---|" + "---|" * len(args.seq_lens))
     for mix in args.mixes:
         cells = []
         for S in args.seq_lens:
             cells.append(" ".join(f"R{R}:{np.mean([g['comm_bound'] for g in groups[(mix, S, R, 'zigzag')]]):.0%}"
                                   for R in args.rings))
-        print(f"| {mix} | " + " | ".join(cells) + " |")
+        out.append(f"| {mix} | " + " | ".join(cells) + " |")
     runs = defaultdict(list)
     for r in rows:
         runs[(r["layout"], r["R"])].append(r["runs"])
-    print("\n## Layout size: intervals (runs of consecutive tokens) over all ranks, max over batches\n")
-    print("| layout | " + " | ".join(f"R={R}" for R in args.rings) + " |")
-    print("|---|" + "---|" * len(args.rings))
+    out.append("\n## Layout size: intervals (runs of consecutive tokens) over all ranks, max over batches\n")
+    out.append("| layout | " + " | ".join(f"R={R}" for R in args.rings) + " |")
+    out.append("|---|" + "---|" * len(args.rings))
     for n in names:
-        print(f"| {n} | " + " | ".join(str(max(runs[(n, R)])) for R in args.rings) + " |")
+        out.append(f"| {n} | " + " | ".join(str(max(runs[(n, R)])) for R in args.rings) + " |")
+    return "\n".join(out)
+
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows, stats, elapsed = compute(args)
+    print(report(args, rows, stats, elapsed))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 

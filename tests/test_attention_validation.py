@@ -285,3 +285,30 @@ def test_upipe_second_backward_raises() -> None:
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_a_document_layout_for_another_ring_is_rejected_before_communication() -> None:
+    """A mask laid out (``document_balance = "documents"``) for another ring or Ulysses degree than the
+    attention's mesh, or a balanced mask asked for without a mesh, is one ConfigError naming the fix."""
+    from titan_upipe.attention.documents import DocumentMask, document_mask
+
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    ids[0, 5:] = 1
+    layer = convert_attention(llama3(), "usp", usp_mesh(2, 2))
+    x, table = torch.zeros(1, 4, 128), precompute_freqs_cis(16, 32)
+    for ring, ulysses in ((4, 1), (2, 1)):
+        mask = DocumentMask.from_ids(ids).balanced(ring, ulysses, min_split=4)
+        with pytest.raises(ConfigError, match=rf"layout is for ring {ring} x ulysses {ulysses} ranks but the "
+                                              r"attention runs on ring 2 x ulysses 2: build the mask with the model's"):
+            layer(x, table, attention_masks=mask)
+    balanced = document_mask(ids, usp_mesh(2, 2), balance="documents", min_split=4)
+    for positions in (torch.arange(4),):  # the fixed layouts' [S/C]
+        with pytest.raises(ConfigError, match=r"positions have shape .* not its \[1, 4\]: shard the inputs with "
+                                              r"titan_upipe.parallel.shard_sequence\(t, cp_mesh, 1, mask.layout\)"):
+            layer(x, table, attention_masks=balanced, positions=positions)
+    with pytest.raises(ConfigError, match="lays the batch out over a ring: pass the cp_mesh"):
+        document_mask(ids, balance="documents")
+    with pytest.raises(ConfigError, match="invalid document_balance = 'zig': valid values are zigzag, documents"):
+        document_mask(ids, usp_mesh(2, 2), balance="zig")
+    assert document_mask(ids, ring_mesh(2), balance="documents", min_split=4).layout.ring_size == 2
+    assert document_mask(ids, NoCommMesh(2), balance="documents").layout is None  # no ring: the contiguous layout

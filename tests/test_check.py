@@ -102,8 +102,8 @@ def _check_with_shifted_positions(rank, world, mesh, config):
 
     real = inputs.shard_sequence
 
-    def shifted(t, cp_mesh, seq_dim):
-        return real(t.flip(seq_dim), cp_mesh, seq_dim)
+    def shifted(t, cp_mesh, seq_dim, batch_layout=None):
+        return real(t.flip(seq_dim), cp_mesh, seq_dim, batch_layout)
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     inputs.shard_sequence = shifted  # what CP input preparation calls
@@ -172,7 +172,7 @@ def _check_tsp(rank, world, mesh, overrides, flip_tokens):
     real = inputs.shard_sequence
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if flip_tokens:
-        inputs.shard_sequence = lambda t, cp_mesh, seq_dim: real(t.flip(seq_dim), cp_mesh, seq_dim)
+        inputs.shard_sequence = lambda t, cp_mesh, seq_dim, batch_layout=None: real(t.flip(seq_dim), cp_mesh, seq_dim, batch_layout)
     try:
         return run_check(["--job.config_file", str(REPO / TSP_CONFIG), "--seq-len", "32",
                           "--parallelism.context_parallel_degree", str(world), *overrides])

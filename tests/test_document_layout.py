@@ -121,7 +121,9 @@ def test_the_trainers_ring_work_scalars_are_the_masks_own_count(ring):
     """``cp_inputs.batch_ring_work`` (the trainer's ``data/ring_work_busiest_over_mean*`` scalars, a
     closed form per document segment) against a brute-force count over the ``S x S`` mask, under the
     fixed zigzag and under the document layout, for a batch of two rows with EOS at random places."""
-    from titan_upipe.torchtitan_0_2.cp_inputs import DOCUMENT_MIN_SPLIT, RING_WORK_TAGS, batch_ring_work
+    from titan_upipe.costs.document_balance import split_threshold
+    from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
+    from titan_upipe.torchtitan_0_2.cp_inputs import RING_WORK_TAGS, batch_ring_work
 
     torch.manual_seed(ring)
     seq, eos_id = 256 * ring, 3
@@ -132,7 +134,38 @@ def test_the_trainers_ring_work_scalars_are_the_masks_own_count(ring):
     zigzag = [ZigzagLayout(seq, ring)] * 2
     eos_rows = [(row == eos_id).long() for row in tokens]
     lengths = [document_lengths(torch.cumsum(e, 0) - e) for e in eos_rows]
-    balanced = [DocumentZigzagLayout.of_documents(n, ring, min_split=DOCUMENT_MIN_SPLIT) for n in lengths]
+    # the job's layout: documents of split_threshold(S, R, DEFAULT_MIN_SPLIT) tokens or more zigzagged
+    threshold = split_threshold(seq, ring, DEFAULT_MIN_SPLIT)
+    assert threshold == 256 * ring  # the floor: 2R pieces of 128 tokens
+    balanced = [DocumentZigzagLayout.of_documents(n, ring, min_split=threshold) for n in lengths]
     assert got[RING_WORK_TAGS[0]] == pytest.approx(_brute_force_ratio(tokens, eos_id, zigzag), rel=1e-12)
     assert got[RING_WORK_TAGS[1]] == pytest.approx(_brute_force_ratio(tokens, eos_id, balanced), rel=1e-12)
     assert got[RING_WORK_TAGS[0]] > 1.05  # the fixed zigzag is imbalanced on this batch; the check can fail
+
+
+def test_the_jobs_layout_splits_from_a_quarter_of_a_ring_ranks_share():
+    """``BatchDocumentLayout`` (what a job runs) zigzags documents from ``min(min_split, max(S/(4R),
+    2R x 128))`` tokens: at 128K tokens over 16 ring ranks (8K each) the default 16K would deal 10K-token
+    documents whole and leave the busiest rank above the fixed zigzag; the cap balances it, its floor
+    keeps the pieces a 128-token tile long, and a smaller min_split is taken as set."""
+    from titan_upipe.costs.document_balance import split_threshold, step_work, zigzag_intervals
+    from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, BatchDocumentLayout
+
+    assert split_threshold(1 << 17, 16, DEFAULT_MIN_SPLIT) == 4096  # S/(4R) = 2048 < the floor 2 x 16 x 128
+    assert split_threshold(1 << 17, 4, DEFAULT_MIN_SPLIT) == 8192  # S/(4R)
+    assert split_threshold(1 << 20, 8, DEFAULT_MIN_SPLIT) == DEFAULT_MIN_SPLIT
+    assert split_threshold(16, 2, 8) == 8  # set below both: as set
+    seq, ring = 1 << 17, 16
+    lengths = [10_000] * 12 + [seq - 120_000]  # twelve 10K documents and one of 11,072 tokens
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    job = BatchDocumentLayout.of_document_ids(ids, ring)
+    assert job.rows[0] == DocumentZigzagLayout.of_documents(lengths, ring, min_split=4096)
+
+    def ratio(layout) -> float:
+        intervals = [(a, b, r) for r, runs in enumerate(layout.ring_runs) for a, b in runs]
+        work = step_work(lengths, np.array(intervals), ring).sum(axis=1)
+        return float(work.max() / work.mean())
+
+    whole = DocumentZigzagLayout.of_documents(lengths, ring, min_split=DEFAULT_MIN_SPLIT)
+    zig = step_work(lengths, zigzag_intervals(seq, ring), ring).sum(axis=1)
+    assert ratio(job.rows[0]) < 1.05 < float(zig.max() / zig.mean()) < ratio(whole)

@@ -326,26 +326,22 @@ def test_document_mask_checks_the_layout_and_masks_their_length():
         check_attention_masks(torch.ones(8, 8, dtype=torch.bool), 8)
 
 
-def _ring_local_positions(rank: int, ring: int, slot: int) -> torch.Tensor:
-    from titan_upipe.attention.ring_plan import zigzag_chunks
-
-    return torch.cat([torch.arange(c * slot, (c + 1) * slot) for c in zigzag_chunks(rank, ring)])
+def _ring_local_positions(runs) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in runs])
 
 
-def _plan_coverage(calls, batch: int, slot: int) -> torch.Tensor:
-    """``[B, 2L, 2L]`` int: how many calls cover each (ring-local query, held key) pair."""
+def _plan_coverage(calls, ring_len: int, batch: int) -> torch.Tensor:
+    """``[B, S_r, S_r]`` int: how many calls cover each (ring-local query, held key) pair."""
     from titan_upipe.attention.ring_plan import DiagonalCall
 
-    cover = torch.zeros(batch, 2 * slot, 2 * slot, dtype=torch.long)
+    cover = torch.zeros(batch, ring_len, ring_len, dtype=torch.long)
     for call in calls:
         if isinstance(call, DiagonalCall):
             for row, runs in enumerate(call.segments):
                 for a, c in runs:
-                    off = call.slot * slot
-                    cover[row, off + a:off + c, off + a:off + c] += _plain_causal_long(c - a)
+                    cover[row, a:c, a:c] += _plain_causal_long(c - a)
         else:
-            q0, k0 = call.q_slot * slot, call.kv_slot * slot
-            cover[call.row, q0 + call.q[0]:q0 + call.q[1], k0 + call.kv[0]:k0 + call.kv[1]] += 1
+            cover[call.row, call.q[0]:call.q[1], call.kv[0]:call.kv[1]] += 1
     return cover
 
 
@@ -353,43 +349,85 @@ def _plain_causal_long(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.long).tril()
 
 
-@pytest.mark.parametrize("ring", [1, 2, 3, 4])
-def test_document_ring_plan_covers_exactly_the_visible_pairs(ring):
-    """Over every rank and step, the plan's calls cover each visible (query, key) pair exactly once
-    and nothing else: ids with 1-token documents, documents across chunk and rank boundaries, and
-    one row that is a single document (the causal plan's blocks)."""
-    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls, kv_source
-
-    slot = 5
-    seq = 2 * ring * slot
+def _random_document_ids(ring: int, seq: int) -> torch.Tensor:
+    """Three rows: a few long documents behind a 1-token one, many short documents, one document."""
     gen = torch.Generator().manual_seed(ring)
     ids = torch.zeros(3, seq, dtype=torch.long)
     for row, n_splits in ((0, 3), (1, seq // 3)):
         for start in torch.randperm(seq - 1, generator=gen)[:n_splits] + 1:
             ids[row, int(start):] += 1
     ids[0, 1:] += 1  # a 1-token document at position 0
-    mask = DocumentMask.from_ids(ids)
+    return ids
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "documents"])
+@pytest.mark.parametrize("ring", [1, 2, 3, 4])
+def test_document_ring_plan_covers_exactly_the_visible_pairs(ring, balance):
+    """Over every rank and step, the plan's calls cover each visible (query, key) pair exactly once
+    and nothing else, in the fixed zigzag and in the batch's document-aware layout (min_split 6:
+    long documents zigzagged inside themselves, short ones dealt whole or split at a rank's end):
+    ids with 1-token documents, documents across chunk and rank boundaries, one row that is a
+    single document (the causal plan's blocks)."""
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls, kv_source
+
+    seq = 2 * ring * 5
+    mask = DocumentMask.from_ids(_random_document_ids(ring, seq))
+    if balance == "documents":
+        mask = mask.balanced(ring, 1, min_split=6)
+        assert mask.ring_runs(ring) != DocumentMask.from_ids(mask.doc).ring_runs(ring) or ring == 1
+    ring_runs = mask.ring_runs(ring)
     rectangles = 0
     for rank in range(ring):
-        q_pos = _ring_local_positions(rank, ring, slot)
+        q_pos = [_ring_local_positions(runs[rank]) for runs in ring_runs]
         for step in range(ring):
-            calls = document_step_calls(rank, ring, step, slot, mask.document_segments)
+            calls = document_step_calls(rank, ring, step, ring_runs, mask.document_segments)
             rectangles += sum(isinstance(c, RectangleCall) for c in calls)
-            kv_pos = _ring_local_positions(kv_source(rank, ring, step), ring, slot)
-            cover = _plan_coverage(calls, 3, slot)
-            assert torch.equal(cover, mask.visible(q_pos, kv_pos).long()), (rank, step)
+            source = kv_source(rank, ring, step)
+            cover = _plan_coverage(calls, seq // ring, 3)
+            for row, runs in enumerate(ring_runs):
+                visible = DocumentMask(mask.doc[row:row + 1]).visible(q_pos[row], _ring_local_positions(runs[source]))
+                assert torch.equal(cover[row], visible[0].long()), (rank, step, row)
     assert ring == 1 or rectangles > 0
+
+
+def test_document_ring_plan_fails_on_a_wrong_layout():
+    """The coverage check above is not vacuous: the document-aware layout's plan read with the fixed
+    zigzag's positions (a rank sharded the old way) covers other pairs than the visible ones."""
+    from titan_upipe.attention.ring_plan import document_step_calls
+
+    ring, seq = 2, 20
+    mask = DocumentMask.from_ids(_random_document_ids(ring, seq)).balanced(ring, 1, min_split=6)
+    zigzag = DocumentMask.from_ids(mask.doc).ring_runs(ring)
+    calls = document_step_calls(1, ring, 1, mask.ring_runs(ring), mask.document_segments)
+    visible = DocumentMask(mask.doc[:1]).visible(_ring_local_positions(zigzag[0][1]), _ring_local_positions(zigzag[0][0]))
+    assert not torch.equal(_plan_coverage(calls, seq // ring, 3)[0], visible[0].long())
 
 
 def test_document_ring_plan_skips_blocks_with_no_visible_key():
     """Two documents, each within one ring rank's chunks, at R = 2: no rectangle crosses them."""
-    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls, zigzag_ring_runs
 
     documents = [[(0, 4), (4, 8)]]  # chunks of 2 tokens: rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
-    calls = document_step_calls(1, 2, 1, 2, documents)  # rank 1 holds rank 0's K/V (chunks 0, 3)
-    assert calls == (RectangleCall(0, 0, 0, (0, 2), (0, 2)),)  # chunk 1 sees chunk 0 (document 0)
-    assert document_step_calls(0, 2, 1, 2, documents) == (RectangleCall(0, 1, 1, (0, 2), (0, 2)),)
-    assert document_step_calls(0, 2, 1, 2, [[(0, 2), (2, 6), (6, 8)]]) == ()  # chunk 3 starts document 2
+    runs = [zigzag_ring_runs(8, 2)]
+    calls = document_step_calls(1, 2, 1, runs, documents)  # rank 1 holds rank 0's K/V (chunks 0, 3)
+    assert calls == (RectangleCall(0, (0, 2), (0, 2)),)  # chunk 1 sees chunk 0 (document 0)
+    assert document_step_calls(0, 2, 1, runs, documents) == (RectangleCall(0, (2, 4), (2, 4)),)
+    assert document_step_calls(0, 2, 1, runs, [[(0, 2), (2, 6), (6, 8)]]) == ()  # chunk 3 starts document 2
+
+
+def test_document_ring_plan_of_the_docstring_layout():
+    """``ring_plan``'s docstring example, call by call (DocumentZigzagLayout's own example)."""
+    from titan_upipe.attention.ring_plan import DiagonalCall, RectangleCall, document_step_calls
+    from titan_upipe.parallel.document_layout import DocumentZigzagLayout
+
+    layout = DocumentZigzagLayout.of_documents([10, 2, 4], 2, min_split=8)
+    runs, documents = [layout.ring_runs], [[(0, 10), (10, 12), (12, 16)]]
+    assert layout.ring_runs == (((0, 3), (8, 13)), ((3, 8), (13, 16)))
+    assert document_step_calls(0, 2, 0, runs, documents) == (DiagonalCall((((0, 5), (5, 7), (7, 8)),)),)
+    assert document_step_calls(1, 2, 0, runs, documents) == (DiagonalCall((((0, 5), (5, 8)),)),)
+    assert document_step_calls(0, 2, 1, runs, documents) == (RectangleCall(0, (3, 5), (0, 5)),)
+    assert document_step_calls(1, 2, 1, runs, documents) == (RectangleCall(0, (0, 5), (0, 3)),
+                                                             RectangleCall(0, (5, 8), (7, 8)))
 
 
 def test_segment_tables_are_built_once_per_mask_and_device():

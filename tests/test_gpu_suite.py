@@ -83,7 +83,8 @@ def test_the_queue_runs_qwen3_32b_on_one_node_after_the_llama3_memory_lengths():
                      "speed 2M (sdpa)", "memory llama3_8b upipe 3M", "memory llama3_8b upipe 4M",
                      "memory llama3_8b upipe 5M", "memory qwen3_32b upipe_8gpu 2.5M",
                      *(f"memory qwen3_32b upipe_usp {x}" for x in ("1M", "2M", "3M", "4M")),
-                     "tsp llama3_8b 128K", "tsp llama3_8b 1M", "tsp llama3_8b 2M", "attention 2M"]
+                     "tsp llama3_8b 128K", "tsp llama3_8b 1M", "tsp llama3_8b 2M", "attention 2M",
+                     "ring_documents 128K", "ring_documents 1M"]
     items = gpu_queue.build_queue(lambda stage, lengths, select: 100.0, "sdpa", ("sdpa",))
     item = next(i for i in items if i.name == "memory qwen3_32b upipe_8gpu 2.5M")
     assert item.argv == ("--stage", "memory", "--lengths", "2.5M", "--select", "qwen3_32b upipe_8gpu")
@@ -93,7 +94,7 @@ def test_the_queue_runs_qwen3_32b_on_one_node_after_the_llama3_memory_lengths():
     assert not item.done([]) and item.done([{"stage": "memory", "environment": {}, "results": [run]}])
     assert not item.done([{"stage": "memory", "environment": {}, "results": [{**run, "measurement": None}]}])
     rows = [line.split(None, 1) for line in gpu_queue.__doc__.splitlines() if line[:1].isdigit()]
-    assert [n for n, _ in rows] == [str(i) for i in range(1, 9)]
+    assert [n for n, _ in rows] == [str(i) for i in range(1, 10)]
     assert rows[3][1].startswith("``memory`` Llama3-8B UPipe 3M, 4M, 5M") and "2.5M" in rows[4][1]
     assert "Qwen3-32B UPipe C=8 on one node" in rows[4][1] and "UPipe-in-USP" in rows[5][1]
 

@@ -35,3 +35,34 @@ def test_every_forward_is_checked_not_only_the_first():
         check(None, (tokens,), {"positions": torch.arange(8, 16)})
     with pytest.raises(ConfigError, match="not in titan_upipe's sequence layout"):
         check(None, (tokens,), {})
+    # [B, S/C] positions: every row is compared, not only the first
+    check(None, (tokens.expand(2, 8),), {"positions": zigzag.expand(2, 8)})
+    with pytest.raises(ConfigError, match="not in titan_upipe's sequence layout"):
+        check(None, (tokens.expand(2, 8),), {"positions": torch.stack([zigzag, torch.arange(8, 16)])})
+
+
+def test_a_batch_in_its_document_layout_is_checked_row_by_row():
+    """With the mask's document-aware layout (document_balance = "documents") the check compares the
+    whole [B, S/C] positions with the batch's own layout: the fixed zigzag's shards, a row of
+    another batch's layout, or [S/C] positions are refused; the layout's own pass."""
+    from titan_upipe.attention.documents import DocumentMask
+    from titan_upipe.parallel.inputs import prepare_cp_batch
+
+    mesh = RingMesh()
+    check = LayoutCheck(mesh)
+    tokens = torch.arange(1, 17).repeat(2, 1)
+    tokens[0, [0, 9]] = 0  # row 0: documents [0, 1), [1, 10), [10, 16); row 1: one document
+    batch = prepare_cp_batch(tokens, tokens, mesh, eos_id=0, ignore_index=-100, document_balance="documents",
+                             document_min_split=4)
+    mask = batch.attention_masks
+    assert mask.layout is not None and batch.positions.shape == (2, 8)
+    assert batch.positions[0].tolist() != batch.positions[1].tolist()  # each row in its own layout
+    assert torch.equal(batch.tokens, torch.stack([tokens[b, batch.positions[b]] for b in range(2)]))
+    check(None, (batch.tokens,), batch.model_kwargs())
+    _, zigzag = shard_sequence(tokens, mesh, seq_dim=1)
+    other = DocumentMask.from_eos(tokens.flip(0), 0).balanced(2, 1, 4).layout.positions(1)
+    for positions in (zigzag, zigzag.expand(2, 8), other, batch.positions[:1]):
+        with pytest.raises(ConfigError, match="not in the batch's document-aware layout"):
+            check(None, (batch.tokens,), {"positions": positions, "attention_masks": mask})
+    # the fixed layout still reads its own positions when the mask has no layout
+    check(None, (batch.tokens,), {"positions": zigzag, "attention_masks": DocumentMask(mask.doc)})

@@ -119,7 +119,8 @@ def test_report_and_cli_show_the_mask_metadata(capsys):
     info = P.summary(result, None, None)
     assert info["documents"] == {"document_index_bytes": 8 * 2**20, "mask_build_bytes": 16 * 2**20,
                                  "segments_build_bytes": 10 * 2**20 + 17 * 2**20 - 10,
-                                 "segment_host_bytes_per_document": 100}
+                                 "segment_host_bytes_per_document": 100, "document_layout": False,
+                                 "layout_positions_bytes": 0, "layout_host_bytes_per_document": 0}
     assert P.summary(P.plan(replace(job, documents=False)), None, None)["documents"] is None
     text = P.render(result, info)
     assert "packed documents: document index 8.00 MiB per rank" in text
@@ -128,3 +129,81 @@ def test_report_and_cli_show_the_mask_metadata(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["job"]["documents"] and out["documents"]["document_index_bytes"] == 64 * 2**20
     assert out["breakdown_bytes"][DOC_INDEX] == 64 * 2**20
+
+
+# --- issue 35: each batch in its own document-aware layout over the ring ([upipe] document_balance)
+
+TOKENS = "token ids, labels, positions (int64)"
+LAYOUT = "document-aware layout: each row's positions of this rank (int64 [B, S/C])"
+
+
+def _ring_job(batch: int, seq_len: int, balance: str, device: str = "cpu") -> P.PlanInput:
+    """UPipe inside USP on a ring of 2 (ulysses 1), packed documents."""
+    return P.PlanInput(LLAMA, seq_len=seq_len, batch=batch, cp=2, ulysses=1, documents=True,
+                       document_balance=balance, device=device)
+
+
+def _state(job: P.PlanInput) -> dict[str, int]:
+    return P.plan(job).moments[0].terms
+
+
+@pytest.mark.parametrize("batch,seq_len,every", [(1, 4096, 97), (2, 4096, 7), (3, 8000, 250), (1, 4096, 5000)])
+def test_the_document_layouts_bytes_are_the_tracked_bytes(batch, seq_len, every):
+    """``prepare_cp_batch`` on rank 1 of a ring of 2 under each balance, tracked: the layout keeps each row's
+    positions of the rank (``DOC_LAYOUT``, on CPU) and the positions become ``[B, S/C]`` (the token term);
+    the planner's difference between the balances is the tracked one at B = 1 and bounds it above at B > 1
+    (its token term counts three position tensors per row). Nothing of the build outlives it, and its
+    peak stays under the planner's mask-build moment."""
+    from test_layout_check import RingMesh
+
+    from titan_upipe.parallel.inputs import prepare_cp_batch
+
+    tokens = _tokens(batch, seq_len, every)
+    measured = {}
+    for balance in ("zigzag", "documents"):
+        with LiveTensorTracker() as mem:
+            prepared = prepare_cp_batch(tokens, tokens.clone(), RingMesh(), eos_id=0, ignore_index=-100,
+                                        document_balance=balance, document_min_split=64)
+            measured[balance] = (mem.peak_bytes, mem.current_bytes)
+        assert (prepared.batch_layout is not None) == (balance == "documents")
+        del prepared
+    zig, doc = _state(_ring_job(batch, seq_len, "zigzag")), _state(_ring_job(batch, seq_len, "documents"))
+    local = seq_len // 2
+    assert LAYOUT not in zig and doc[LAYOUT] == D.layout_positions_bytes(_ring_job(batch, seq_len, "documents")) \
+        == 8 * batch * local
+    planned = doc[TOKENS] + doc[LAYOUT] - zig[TOKENS]
+    tracked = measured["documents"][1] - measured["zigzag"][1]
+    assert tracked == 8 * (batch - 1) * local + 8 * batch * local  # [B, S/C] positions and the layout's copy
+    assert tracked == planned if batch == 1 else tracked < planned
+    build = {m.where: m for m in P.plan(_ring_job(batch, seq_len, "documents")).moments}["document mask built (from_eos)"]
+    held_before = 2 * 8 * batch * seq_len  # the global tokens and labels, made before the tracker
+    assert measured["documents"][0] <= sum(build.terms[t] for t in (TOKENS, DOC_INDEX, LAYOUT,
+                                           "document mask build: EOS as int64 and its cumsum (from_eos)")) - held_before
+
+
+def test_the_layout_is_planned_only_on_a_ring_with_packed_documents_and_named():
+    """No layout without a ring or with zigzag; on CUDA its copy of the positions is host memory (a note);
+    the JSON summary, the note and the CLI switch say so."""
+    assert _ring_job(1, 4096, "documents").document_layout
+    assert not _ring_job(1, 4096, "zigzag").document_layout
+    assert not replace(_ring_job(1, 4096, "documents"), ulysses=2).document_layout  # Ulysses alone: no ring
+    assert not replace(_ring_job(1, 4096, "documents"), documents=False).document_layout
+    cuda = P.plan(_ring_job(1, 4096, "documents", device="cuda"))
+    assert LAYOUT not in cuda.moments[0].terms
+    assert any("document-aware layout" in n and "0.02 MiB on the host" in n for n in cuda.notes), cuda.notes
+    info = P.summary(P.plan(_ring_job(2, 4096, "documents")), None, None)["documents"]
+    assert info["document_layout"] and info["layout_positions_bytes"] == 2 * 8 * 2048
+    assert info["layout_host_bytes_per_document"] == D.LAYOUT_HOST_BYTES
+
+
+def test_the_layouts_host_lists_stay_under_their_per_document_bound():
+    """``LAYOUT_HOST_BYTES`` per document bounds the runs and every ring step's planned calls of a batch
+    with many short and a few long documents, on a ring of 4."""
+    from titan_upipe.attention.ring_plan import document_step_calls
+
+    ring, tokens = 4, _tokens(2, 16384, 37)
+    tokens[0, :6000] = 5  # one long document in row 0
+    mask = DocumentMask.from_eos(tokens, 0).balanced(ring, 1, min_split=1024)
+    calls = [mask.ring_calls(document_step_calls, r, ring, t) for r in range(ring) for t in range(ring)]
+    n_docs = sum(len(row) for row in mask.document_segments)
+    assert _host_bytes((mask.layout.ring_runs(), calls)) <= D.LAYOUT_HOST_BYTES * n_docs

@@ -43,9 +43,10 @@ class RingCase:
     dtype: str = "float32"
     backend: str = "sdpa"
     positions: str = "derived"  # "derived" (None) or "batch" (explicit [B, L], per-sample offsets)
-    sabotage: str = ""  # "", "block_rule", "layout", "recompute_backward", "document_plan": must NOT match
+    sabotage: str = ""  # "", "block_rule", "layout", "recompute_backward", "document_plan", "balanced_layout": must NOT match
     kernel: str = ""  # "" (the backend's own) or "cuda_emulated"
     documents: bool = False  # packed documents under a document mask (reference: each document alone)
+    balance: str = "zigzag"  # document_balance: "documents" lays each row out by its documents (min_split 8)
 
     @property
     def world(self) -> int:
@@ -56,7 +57,8 @@ class RingCase:
         u = f"U{self.heads_per_stage}" if self.mode == "upipe" else ""
         extra = "".join(f"-{v}" for v in (self.backend if self.backend != "sdpa" else "", self.kernel,
                                           self.positions if self.positions != "derived" else "",
-                                          "docs" if self.documents else "", self.sabotage) if v)
+                                          "docs" if self.documents else "",
+                                          "balanced" if self.balance == "documents" else "", self.sabotage) if v)
         return (f"{self.model}-H{self.n_heads}KV{self.n_kv_heads}-{self.mode}{u}-R{self.ring}xU{self.ulysses}"
                 f"-S{self.seq_len}B{self.batch}-{self.dtype}{extra}")
 
@@ -105,6 +107,19 @@ CASES = [
     RingCase("llama3", 16, 4, "upipe", 2, 4, 32, batch=2, heads_per_stage=4, documents=True),
     RingCase("qwen3", 8, 8, "upipe", 4, 2, 32, batch=2, heads_per_stage=8, documents=True),
     RingCase("llama3", 8, 2, "ring", 2, 1, 16, batch=2, documents=True, sabotage="document_plan"),
+    # the same on each batch's document-aware layout (DocumentZigzagLayout per row, document_min_split 8:
+    # the long documents zigzagged inside themselves, short ones dealt whole or split at a rank's end)
+    RingCase("llama3", 8, 2, "ring", 2, 1, 32, batch=2, documents=True, balance="documents"),
+    RingCase("qwen3", 8, 8, "ring", 4, 1, 32, batch=2, documents=True, balance="documents"),
+    RingCase("llama3", 8, 2, "usp", 2, 2, 32, batch=2, documents=True, balance="documents"),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, batch=2, heads_per_stage=2, documents=True, balance="documents"),
+    RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, batch=2, heads_per_stage=2, dtype="bfloat16", documents=True,
+             balance="documents"),
+    RingCase("llama3", 8, 2, "upipe", 4, 2, 64, batch=2, heads_per_stage=8, documents=True, balance="documents"),
+    RingCase("llama3", 8, 2, "ring", 2, 1, 32, batch=2, documents=True, balance="documents",
+             sabotage="document_plan"),
+    RingCase("llama3", 8, 2, "ring", 2, 1, 32, batch=2, documents=True, balance="documents",
+             sabotage="balanced_layout"),
 ]
 
 
@@ -114,15 +129,16 @@ def _diagonal_as_full(q_chunk: int, kv_chunk: int):
     return BlockKind.FULL if kv_chunk <= q_chunk else BlockKind.SKIP
 
 
-def _rectangles_as_whole_blocks(ring_rank, ring_size, step, slot_len, documents):
-    """The document plan with every rectangle widened to its whole block pair: queries see
-    earlier chunks' keys of other documents."""
+def _rectangles_as_whole_blocks(ring_rank, ring_size, step, ring_runs, documents):
+    """The document plan with every rectangle widened to the whole ring-local sequences: queries
+    see keys of other documents (and later keys)."""
     import dataclasses
 
     from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
 
-    calls = document_step_calls(ring_rank, ring_size, step, slot_len, documents)
-    return tuple(dataclasses.replace(c, q=(0, slot_len), kv=(0, slot_len)) if isinstance(c, RectangleCall) else c
+    ring_len = sum(b - a for a, b in ring_runs[0][ring_rank])
+    calls = document_step_calls(ring_rank, ring_size, step, ring_runs, documents)
+    return tuple(dataclasses.replace(c, q=(0, ring_len), kv=(0, ring_len)) if isinstance(c, RectangleCall) else c
                  for c in calls)
 
 
@@ -142,7 +158,8 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
 
         ids = document_ids(case.batch, case.seq_len)
         ref = document_reference(module, x, table, ids, grad_y)
-        masks = document_mask(ids, mesh)
+        masks = document_mask(ids, mesh, balance=case.balance, min_split=8)
+        assert (masks.layout is not None) == (case.balance == "documents")
     else:
         ref = reference_results(module, x, table, positions, grad_y)
 
@@ -160,20 +177,27 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
         # Swapped after conversion: conversion itself refuses a recompute-style kernel for rings.
         converted.backend = (SdpaCudaKernels(ops=EmulatedAtenSdpa()) if case.kernel else RecomputeBackward())
 
+    # the batch's document-aware layout; "balanced_layout": the fixed zigzag's shards into an attention
+    # whose mask carries the batch's layout (with their [S/C] positions it refuses them:
+    # test_attention_validation; without positions nothing can tell, and the result is wrong)
+    batch_layout = None if masks is None or case.sabotage == "balanced_layout" else masks.layout
+
     def shard(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if case.sabotage == "layout":  # contiguous shards into an attention that expects zigzag
             layout = ContiguousLayout(t.shape[1], case.world)
             rank = world_mesh.get_local_rank()
             return layout.shard(t, rank, 1).contiguous(), layout.positions(rank)
-        return shard_sequence(t, mesh, seq_dim=1)
+        return shard_sequence(t, mesh, 1, batch_layout)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(t, world_mesh if case.sabotage == "layout" else mesh, 1)
+        return gather_sequence(t, world_mesh if case.sabotage == "layout" else mesh, 1, batch_layout)
 
     x_local, local_positions = shard(x)
     x_local.requires_grad_(True)
     if positions is not None:
         local_positions = shard(positions)[0]
+    if case.sabotage == "balanced_layout":
+        local_positions = None  # the attention derives them from the mask: only the shards are wrong
     y = converted(x_local, table, masks, positions=local_positions)
     y.backward(shard(grad_y)[0])
 
@@ -230,5 +254,9 @@ def test_matrix_covers_the_issue() -> None:
     assert {c.model for c in documents} == {"llama3", "qwen3"} and {c.dtype for c in documents} == {
         "float32", "bfloat16"}
     assert any(c.n_heads == c.n_kv_heads for c in documents) and any(c.n_heads > c.n_kv_heads for c in documents)
+    balanced = [c for c in documents if c.balance == "documents"]  # issue 35: R = 2 and 4, Ulysses 1 and 2, GQA
+    assert {(c.ring, c.ulysses) for c in balanced} >= {(2, 1), (4, 1), (2, 2), (4, 2)}
+    assert {c.mode for c in balanced} == {"ring", "usp", "upipe"} and any(c.n_heads > c.n_kv_heads for c in balanced)
+    assert {c.sabotage for c in CASES if c.balance == "documents"} == {"", "document_plan", "balanced_layout"}
     emulated = [c for c in sound if c.kernel == "cuda_emulated"]
     assert {c.mode for c in emulated} == {"ring", "upipe"} and {c.dtype for c in emulated} == {"float32", "bfloat16"}

@@ -143,12 +143,21 @@ def docs_one_rank(llama3_seed, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("overrides", [(), ("--upipe.ulysses_degree", "1")], ids=["upipe-cp2", "upipe-in-usp-r2u1"])
+@pytest.mark.parametrize("overrides", [
+    (), ("--upipe.ulysses_degree", "1", "--upipe.document_balance", "zigzag"),
+    ("--upipe.ulysses_degree", "1", "--upipe.document_min_split", "64")],
+    ids=["upipe-cp2", "upipe-in-usp-r2u1-zigzag", "upipe-in-usp-r2u1-documents"])
 def test_block_causal_matches_one_rank(llama3_seed, docs_one_rank, tmp_path, overrides):
-    """block_causal under UPipe (CP 2) and UPipe inside USP (ring 2 x ulysses 1: zigzag shards,
-    document-aware ring plan): training and validation losses equal TorchTitan's own 1 rank."""
-    torchrun(2, "titan_upipe.train", DOCS, tmp_path, *DOCS_RUN, *overrides, *e2e_validation(dataset="synthetic_docs"),
-             *load_seed(llama3_seed))
+    """block_causal under UPipe (CP 2) and UPipe inside USP (ring 2 x ulysses 1) on the fixed zigzag
+    and on each batch's document-aware layout (documents of 64 tokens or more zigzagged inside
+    themselves, the rest dealt whole; [B, S/C] positions; the layout check at every forward):
+    training and validation losses equal TorchTitan's own 1 rank."""
+    run = torchrun(2, "titan_upipe.train", DOCS, tmp_path, *DOCS_RUN, *overrides,
+                   *e2e_validation(dataset="synthetic_docs"), *load_seed(llama3_seed))
+    balance = "documents" if "--upipe.document_min_split" in overrides else "zigzag"
+    assert ('packed documents: the fixed zigzag' in run.stdout + run.stderr) == (balance == "zigzag" and bool(overrides))
+    assert ('packed documents: each batch in its own layout over the ring of 2 (upipe.document_balance = "documents": '
+            "documents of 64 tokens" in run.stdout + run.stderr) == (balance == "documents")
     assert len(losses(docs_one_rank)) == int(STEPS)
     assert_losses_close(losses(tmp_path), losses(docs_one_rank), rtol=1e-5)
     assert [s for s, _ in read_scalars(tmp_path)[VALIDATION]] == [1, 2, 4]
@@ -159,5 +168,9 @@ def test_block_causal_matches_one_rank(llama3_seed, docs_one_rank, tmp_path, ove
     if overrides:
         assert len(ring_work) == 2 and all(len(v) == int(STEPS) and all(x >= 1 for _, x in v)
                                             for v in ring_work.values()), ring_work
+        zigzag, documents = (ring_work[f"data/ring_work_busiest_over_mean_{name}"] for name in ("zigzag", "documents"))
+        print("ring work busiest/mean, zigzag:", zigzag, "documents:", documents)
+        if "--upipe.document_min_split" in overrides:  # the layout this job runs balances its batches
+            assert all(d < z for (_, d), (_, z) in zip(documents, zigzag, strict=True))
     else:  # UPipe alone has no ring: nothing to balance, no scalar
         assert ring_work == {}

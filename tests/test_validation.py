@@ -361,6 +361,14 @@ OFFLOADED = ("--activation_checkpoint.mode", "full", "--activation_checkpoint.cp
          'upipe.attention_backend = "math" has no effect: model.converters has no context-parallel attention'),
         (UPIPE, ("--local_data.text_key", "body"), 'local_data.text_key = "body" has no effect: neither '
                                                    "training.dataset nor an enabled validation.dataset is 'local_text'"),
+        # issue 35: the document layout needs packed documents on a ring
+        (DOCS, ("--upipe.document_balance", "zigzag"), 'upipe.document_balance = "zigzag" has no effect: \'upipe\' '
+         "on 2 ranks has no ring (Ulysses and UPipe alone are balanced already)"),
+        ("configs/debug/llama3_usp.toml", ("--upipe.document_min_split", "64"), "upipe.document_min_split = 64 has no "
+         "effect: model.flavor 'debug' has attn_mask_type 'causal' (no packed documents)"),
+        (DOCS, ("--upipe.ulysses_degree", "1", "--upipe.document_balance", "zigzag", "--upipe.document_min_split", "64"),
+         "upipe.document_min_split = 64 has no effect: upipe.document_balance is 'zigzag' (the fixed layout splits no "
+         "document by size)"),
     ],
 )
 def test_a_setting_without_effect_is_a_warning(config, overrides, warning):
@@ -370,6 +378,29 @@ def test_a_setting_without_effect_is_a_warning(config, overrides, warning):
     check_job(job(*overrides, config=config), world_size=4)  # it runs: a warning, not an error
     warnings = config_warnings(job(*overrides, config=config))
     assert len(warnings) == 1 and warnings[0].startswith(warning), warnings
+
+
+def test_the_document_layout_is_validated_named_and_summarized():
+    """``[upipe] document_balance`` / ``document_min_split``: a bad value is one message naming the choices;
+    validate's summary says which layout a ring runs packed documents in; with effect, no warning."""
+    from titan_upipe.tools.preflight import summarize
+    from titan_upipe.torchtitan_0_2.checks import config_warnings
+
+    with pytest.raises(ConfigError, match=r"invalid upipe.document_balance = 'zigzg': valid values are zigzag, "
+                                          r"documents; did you mean \"zigzag\""):
+        job("--upipe.document_balance", "zigzg", config=DOCS)
+    with pytest.raises(ConfigError, match=r"invalid upipe.document_min_split = 0: valid values are a positive number"):
+        job("--upipe.document_min_split", "0", config=DOCS)
+    ring = ("--upipe.ulysses_degree", "1")
+    for extra, line in (((), 'each batch in its own layout over the ring of 2 (upipe.document_balance = "documents": '
+                              "documents of 512 tokens or more"),  # min(16384, max(512 / (4 x 2), 2 x 2 x 128))
+                        (("--upipe.document_balance", "zigzag"), 'the fixed zigzag over the ring of 2 '
+                                                                 '(upipe.document_balance = "zigzag"')):
+        config = job(*ring, *extra, config=DOCS)
+        assert config_warnings(config) == []
+        rows = summarize(config, 2).lines()
+        assert any(row.startswith("packed documents " + line) for row in rows), rows
+    assert not any(row.startswith("packed documents") for row in summarize(job(config=DOCS), 2).lines())  # no ring
 
 
 def test_settings_with_effect_are_not_warned_about():

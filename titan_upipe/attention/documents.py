@@ -39,7 +39,10 @@ from typing import Literal
 import torch
 
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, LocalAttentionBackend, SdpaBackend
-from titan_upipe.errors import ConfigError
+from titan_upipe.attention.ring_plan import zigzag_ring_runs
+from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES, BatchDocumentLayout
+from titan_upipe.parallel.mesh import mesh_degrees
 from titan_upipe.parallel.sequence import layout_for
 
 Tensor = torch.Tensor
@@ -88,10 +91,17 @@ class DocumentMask:
     and lose the per-step caches (``document_segments``, the segment tables) at every layer.
     """
 
-    def __init__(self, doc: Tensor) -> None:
+    def __init__(self, doc: Tensor, layout: BatchDocumentLayout | None = None) -> None:
         self.doc = doc
+        self.layout = layout
+        """The batch's document-aware layout over the ring (``[upipe] document_balance = "documents"``),
+        or None: the mesh's fixed layout (``parallel.layout_for``)."""
+        if layout is not None and (layout.batch, layout.seq_len) != tuple(doc.shape):
+            raise ValueError(f"a layout of {layout.batch} x {layout.seq_len} tokens for documents of {tuple(doc.shape)}")
         self._tables: dict[tuple, SegmentTable] = {}
         """``SegmentTable`` by segments: each block's table (and its device boundaries) built once per step."""
+        self._ring_calls: dict[tuple, tuple] = {}
+        """The ring's calls by (plan, ring rank, ring size, step): planned once per batch, read by every layer."""
 
     @classmethod
     def from_ids(cls, document_ids: Tensor) -> DocumentMask:
@@ -113,6 +123,27 @@ class DocumentMask:
         _check_ids(tokens)
         eos = (tokens == eos_id).long()
         return cls(torch.cumsum(eos, dim=1) - eos)
+
+    def balanced(self, ring_size: int, ulysses_size: int = 1, min_split: int = DEFAULT_MIN_SPLIT) -> DocumentMask:
+        """This mask with the batch's ``BatchDocumentLayout`` over ``ring x ulysses`` ranks (each row
+        balanced from its own document lengths; the same on every rank, from the same ids)."""
+        return DocumentMask(self.doc, BatchDocumentLayout.of_document_ids(self.doc, ring_size, ulysses_size, min_split))
+
+    def ring_runs(self, ring_size: int) -> tuple[tuple[tuple[tuple[int, int], ...], ...], ...]:
+        """``[B][R]`` each ring rank's runs of global positions per row: the batch layout's, or the
+        fixed zigzag's chunks for every row."""
+        if self.layout is not None:
+            self.layout.check_degrees(ring_size, self.layout.ulysses_size)
+            return self.layout.ring_runs()
+        return (zigzag_ring_runs(self.seq_len, ring_size),) * self.batch
+
+    def ring_calls(self, plan, ring_rank: int, ring_size: int, step: int) -> tuple:
+        """``plan(ring_rank, ring_size, step, ring_runs, document_segments)`` (``ring_plan.DocumentPlan``),
+        computed once per mask: every layer's forward and backward ring reads the same calls."""
+        key = (plan, ring_rank, ring_size, step)
+        if key not in self._ring_calls:
+            self._ring_calls[key] = plan(ring_rank, ring_size, step, self.ring_runs(ring_size), self.document_segments)
+        return self._ring_calls[key]
 
     @property
     def batch(self) -> int:
@@ -438,9 +469,37 @@ def segmented_causal_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
 # ---------------------------------------------------------------------------- the converted attention's masks
 
 
-def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
+def check_document_balance(balance: str, min_split: int, section: str = "") -> None:
+    """``balance`` is one of ``DOCUMENT_BALANCES`` and ``min_split`` a positive token count; the message
+    names the keys under ``section`` (``"upipe."`` for the TOML's ``[upipe]``)."""
+    if balance not in DOCUMENT_BALANCES:
+        raise ConfigError(with_suggestion(f"invalid {section}document_balance = {balance!r}: valid values are "
+                                          f"{', '.join(DOCUMENT_BALANCES)}", balance, DOCUMENT_BALANCES))
+    if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split < 1:
+        raise ConfigError(f"invalid {section}document_min_split = {min_split!r}: valid values are a positive number "
+                          f"of tokens (default {DEFAULT_MIN_SPLIT})")
+
+
+def balanced_for_mesh(mask: DocumentMask, cp_mesh, balance: str, min_split: int = DEFAULT_MIN_SPLIT) -> DocumentMask:
+    """``mask`` in the layout ``balance`` picks on ``cp_mesh``: with ``"documents"`` and a ring, the
+    batch's ``BatchDocumentLayout`` (``DocumentMask.balanced``); otherwise the mesh's own layout
+    (without a ring every layout is the contiguous one: Ulysses and UPipe are balanced already)."""
+    check_document_balance(balance, min_split)
+    ring, ulysses = mesh_degrees(cp_mesh)
+    if balance == "zigzag" or ring == 1:
+        return mask
+    return mask.balanced(ring, ulysses, min_split)
+
+
+def document_mask(document_ids: Tensor, cp_mesh=None, *, balance: str = "zigzag",
+                  min_split: int = DEFAULT_MIN_SPLIT) -> DocumentMask:
     """The public contract: the global ``[B, S]`` document ids of a packed batch (equal id = one
     document, each one contiguous run) as the ``attention_masks`` a converted attention accepts.
+
+    ``balance = "documents"`` (needs ``cp_mesh``) gives the mask the batch's document-aware layout
+    over the mesh's ring (``parallel.BatchDocumentLayout``, documents of ``min_split`` tokens, or of
+    ``max(S/(4R), 2R x 128)`` when shorter, zigzagged inside themselves): shard the inputs with ``shard_sequence(t, cp_mesh, 1,
+    mask.layout)`` and pass their ``[B, S/C]`` positions.
 
     Query ``i`` attends key ``j`` iff ``j <= i`` and both lie in the same document; RoPE keeps the
     global positions (per-document ``positions``, ``DocumentMask.positions()``, can be passed when
@@ -449,9 +508,12 @@ def document_mask(document_ids: Tensor, cp_mesh=None) -> DocumentMask:
     (ring, usp, UPipe inside USP) plan each block pair from it (``ring_plan.document_step_calls``).
     With ``cp_mesh``, ``S`` is checked against the mesh's sequence layout here, once."""
     mask = DocumentMask.from_ids(document_ids)
-    if cp_mesh is not None:
-        layout_for(cp_mesh, mask.seq_len)  # ConfigError when S does not split into the layout's shards
-    return mask
+    if cp_mesh is None:
+        if balance != "zigzag":
+            raise ConfigError(f"document_mask(balance={balance!r}) lays the batch out over a ring: pass the cp_mesh")
+        return mask
+    layout_for(cp_mesh, mask.seq_len)  # ConfigError when S does not split into the layout's shards
+    return balanced_for_mesh(mask, cp_mesh, balance, min_split)
 
 
 def check_attention_masks(attention_masks: object, seq_len: int, batch: int | None = None) -> DocumentMask | None:

@@ -18,7 +18,7 @@ from torchtitan.models.llama3.model.model import Attention as Llama3Attention
 from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import LocalAttentionBackend, get_backend
-from titan_upipe.attention.documents import DocumentMaskedBackend, check_attention_masks
+from titan_upipe.attention.documents import DocumentMask, DocumentMaskedBackend, check_attention_masks
 from titan_upipe.attention.input_checks import (
     check_local_inputs,
     check_mesh_for_mode,
@@ -170,8 +170,10 @@ class ContextParallelAttention(nn.Module):
                 f"{self.ulysses_degree}), heads_per_stage={self.heads_per_stage}, "
                 f"stages={self.schedule.n_stages}, backend={self.backend.name}")
 
-    def _local_positions(self, x: Tensor, positions: Tensor | None) -> Tensor:
+    def _local_positions(self, x: Tensor, positions: Tensor | None, mask: DocumentMask | None = None) -> Tensor:
         if positions is None:
+            if mask is not None and mask.layout is not None:  # the batch's own layout: [B, S/C]
+                return mask.layout.positions(layout_rank(self.cp_mesh), device=x.device)
             layout = layout_for(self.cp_mesh, x.shape[1] * self.cp_degree)
             return layout.positions(layout_rank(self.cp_mesh), device=x.device).unsqueeze(0)
         positions = positions.to(device=x.device, dtype=torch.long)
@@ -196,6 +198,20 @@ class ContextParallelAttention(nn.Module):
         if positions is not None and positions.device.type == "cpu" and int(positions.max()) >= table.shape[0]:
             raise ConfigError(f"positions reach {int(positions.max())} but the RoPE table has {table.shape[0]} rows")
 
+    def _check_document_layout(self, mask: DocumentMask, x: Tensor, positions: Tensor | None) -> None:
+        """A mask that carries the batch's document layout: for this mesh, and explicit positions in its
+        ``[B, S/C]`` shape (the fixed layouts' are ``[S/C]``: inputs sharded the fixed way are refused
+        here). Their values are the trainer's ``LayoutCheck``'s, once per forward: here they may be
+        the ``fused_rope`` transform's row indices, and reading them would sync an accelerator."""
+        layout = mask.layout
+        layout.check_degrees(self.ring_degree, self.ulysses_degree)
+        if positions is not None and tuple(positions.shape) != (x.shape[0], layout.local_len):
+            raise ConfigError(
+                f"the document mask carries the batch's document-aware layout but the positions have shape "
+                f"{tuple(positions.shape)}, not its [{x.shape[0]}, {layout.local_len}]: shard the inputs with "
+                "titan_upipe.parallel.shard_sequence(t, cp_mesh, 1, mask.layout) and pass the positions it "
+                "returns (or none)")
+
     def _kernel(self, mask) -> LocalAttentionBackend:
         """The kernel a call runs: the local one, or the ring around it; with packed documents,
         the one that reads this batch's mask."""
@@ -210,7 +226,9 @@ class ContextParallelAttention(nn.Module):
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
         self._check_rope_table(freqs_cis, positions, x.shape[1] * self.cp_degree)
         mask = check_attention_masks(attention_masks, x.shape[1] * self.cp_degree, x.shape[0])
-        local_positions = self._local_positions(x, positions)
+        if mask is not None and mask.layout is not None:
+            self._check_document_layout(mask, x, positions)
+        local_positions = self._local_positions(x, positions, mask)
         ulysses_group, ulysses_rank, _ = ulysses_part(self.cp_mesh)
         backend = self._kernel(mask)
         run = AttentionRun(

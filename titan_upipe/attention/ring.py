@@ -20,11 +20,13 @@ contributions for that block, so after ``R`` sends every block's dK/dV is back a
 The dK/dV buffers travel in fp32 so bf16 rounding does not grow with ``R``.
 GQA: only the ``h_kv`` K/V heads travel; the local kernels expand them.
 
-Packed documents (``documents`` = each row's document runs of global positions): the step's
-calls come from ``ring_plan.document_step_calls`` instead, diagonal blocks through
-``documents.segmented_causal_forward/backward`` (causal per document), earlier blocks as one
-unmasked rectangle per row, blocks with no visible key not at all; the merge tolerates rows
-that see nothing in a block (``merge_partial``).
+Packed documents (``documents``, a ``DocumentMask``): the step's calls come from
+``ring_plan.document_step_calls`` over the mask's ring runs (the fixed zigzag's chunks, or the
+batch's ``DocumentZigzagLayout`` when the mask carries one), planned once per batch and step for
+every layer: step 0 through ``documents.segmented_causal_forward/backward`` (causal per
+document), later steps as one unmasked rectangle per (row, shared document), blocks with no
+shared document not at all; the merge tolerates rows that see nothing in a block
+(``merge_partial``).
 """
 
 from __future__ import annotations
@@ -81,15 +83,13 @@ def _block_index(call: BlockCall, slot_len: int) -> tuple[Index, Index]:
             (slice(None), slice(None), slice(call.kv_start * slot_len, call.kv_stop * slot_len)))
 
 
-def _document_index(call: DocumentCall, slot_len: int) -> tuple[Index, Index]:
+def _document_index(call: DocumentCall) -> tuple[Index, Index]:
     """(query, key) indices of one document call into ``[B, h, S_r, ...]`` ring-local tensors."""
     if isinstance(call, DiagonalCall):
-        rows = (slice(None), slice(None), slice(call.slot * slot_len, (call.slot + 1) * slot_len))
-        return rows, rows
+        every = (slice(None), slice(None), slice(None))
+        return every, every
     row = slice(call.row, call.row + 1)
-    q_off, kv_off = call.q_slot * slot_len, call.kv_slot * slot_len
-    return ((row, slice(None), slice(q_off + call.q[0], q_off + call.q[1])),
-            (row, slice(None), slice(kv_off + call.kv[0], kv_off + call.kv[1])))
+    return (row, slice(None), slice(*call.q)), (row, slice(None), slice(*call.kv))
 
 
 def merge_partial(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -136,9 +136,9 @@ class RingAttentionBackend(LocalAttentionBackend):
         for one plain kernel call, or each row's segments for a causal call per document."""
         if self.documents is None:
             return [(*_block_index(call, slot_len), call.causal) for call in self._calls(step)]
-        calls = self.document_plan(self.ring_rank, self.ring_size, step, slot_len, self.documents.document_segments)
+        calls = self.documents.ring_calls(self.document_plan, self.ring_rank, self.ring_size, step)
         # A diagonal's segments as the mask's table: built (and sent to the device) once per step.
-        return [(*_document_index(call, slot_len),
+        return [(*_document_index(call),
                  self.documents.table(call.segments) if isinstance(call, DiagonalCall) else False)
                 for call in calls]
 

@@ -16,16 +16,31 @@ either before ``r`` (both query chunks see KV chunk ``s``, neither sees ``2R-1-s
 every rank does the same work at every step (the point of zigzag).
 
 **Packed documents** (``document_step_calls``): query ``i`` sees key ``j`` iff ``j <= i`` and both
-lie in one document (each document one contiguous run of global positions). A block splits into:
+lie in one document (each document one contiguous run of global positions). The plan reads the
+layout as each ring rank's *runs* of global positions per batch row (``ring_runs``): the fixed
+zigzag's two chunks (``zigzag_ring_runs``) or a document-aware layout's runs
+(``parallel.DocumentZigzagLayout``), whose runs differ per row and per rank. A ring rank's
+ring-local sequence is its runs in global order, so the tokens it holds of one document are one
+contiguous ring-local range (nothing of another document lies between them), and two runs of
+different ranks never interleave: a K/V run of a document either lies wholly before a query run of
+that document (every query sees every key) or wholly after it (none does). Hence:
 
-* the *diagonal* (query chunk = KV chunk, step 0 only): causal attention inside each document's
-  run within the chunk (each run one segment of ``documents.segmented_causal_forward``);
-* an *earlier* KV chunk ``k < q``: a key ``j`` of chunk ``k`` and a query ``i`` of chunk ``q``
-  share a document only if that document covers ``[j, i]``, hence the first token ``p = qL`` of
-  the query chunk: the visible part is one full rectangle, the queries of ``doc(p)`` in chunk ``q``
-  (a prefix) times its keys in chunk ``k`` (a suffix), or nothing when ``doc(p)`` starts after
-  chunk ``k``. One non-causal kernel call per row, no mask;
-* a *later* KV chunk: nothing.
+* step 0 (the rank's own K/V): one *diagonal* call, causal attention inside each document's
+  ring-local range (one segment of ``documents.segmented_causal_forward`` per document and row);
+* step ``t > 0``: per row and per document held by both ranks, the query runs that see the same
+  K/V runs (a prefix of the document's K/V range) form one unmasked *rectangle*; nothing else is
+  visible, so a block with no shared document costs no call.
+
+::
+
+    R = 2, one row, documents A = [0, 10), b = [10, 12), c = [12, 16) (DocumentZigzagLayout's example)
+    ring rank 0 runs [0, 3) [8, 13): ring-local A = [0, 5), b = [5, 7), c = [7, 8)
+    ring rank 1 runs [3, 8) [13, 16): ring-local A = [0, 5), c = [5, 8)
+    step 0: each rank one diagonal call with those segments
+    rank 0, step 1 (rank 1's K/V): A's [8, 10) sees A's [3, 8): q [3, 5) x kv [0, 5); c's [12, 13)
+                                   sees nothing of rank 1's (later) c
+    rank 1, step 1 (rank 0's K/V): A's [3, 8) sees A's [0, 3): q [0, 5) x kv [0, 3);
+                                   c's [13, 16) sees c's [12, 13): q [5, 8) x kv [7, 8)
 """
 
 from __future__ import annotations
@@ -98,61 +113,123 @@ def step_calls(ring_rank: int, ring_size: int, step: int, rule: BlockRule = caus
 
 Range = tuple[int, int]
 """Token indices ``[start, stop)``."""
+Runs = tuple[Range, ...]
+"""One ring rank's global positions as ``(start, stop)`` runs, in order."""
 
 
 @dataclass(frozen=True)
 class DiagonalCall:
-    """Causal attention of zigzag slot ``slot`` against itself, inside each document: row ``b``'s
-    slot-local runs ``segments[b]`` tile ``[0, L)`` in order, one run per document."""
+    """Step 0: the ring-local sequence against itself, causal inside each document: row ``b``'s
+    ring-local runs ``segments[b]`` tile ``[0, S_r)`` in order, one run per document."""
 
-    slot: int
     segments: tuple[tuple[Range, ...], ...]
 
 
 @dataclass(frozen=True)
 class RectangleCall:
-    """Batch row ``row``: the slot-local queries ``q`` of slot ``q_slot`` see every slot-local key
-    ``kv`` of slot ``kv_slot`` (one non-causal call, no mask)."""
+    """Batch row ``row``: the ring-local queries ``q`` see every key ``kv`` of the held K/V block
+    (ring-local to its owner): one non-causal call, no mask."""
 
     row: int
-    q_slot: int
-    kv_slot: int
     q: Range
     kv: Range
 
 
 DocumentCall = DiagonalCall | RectangleCall
-DocumentPlan = Callable[[int, int, int, int, Sequence[Sequence[Range]]], tuple[DocumentCall, ...]]
+DocumentPlan = Callable[[int, int, int, Sequence[Sequence[Runs]], Sequence[Sequence[Range]]], tuple[DocumentCall, ...]]
+"""``(ring_rank, ring_size, step, ring_runs, documents) -> calls`` (``document_step_calls``)."""
 
 
-def _document_at(runs: Sequence[Range], starts: Sequence[int], position: int) -> Range:
-    """The run of ``runs`` (in order, tiling ``[0, S)``) holding global ``position``."""
-    return runs[bisect.bisect_right(starts, position) - 1]
+def zigzag_ring_runs(seq_len: int, ring_size: int) -> tuple[Runs, ...]:
+    """The fixed zigzag's runs per ring rank: chunks ``r`` and ``2R-1-r`` of ``S/(2R)`` tokens
+    (one run ``[0, S)`` at ``R = 1``)."""
+    chunk = seq_len // (2 * ring_size)
+    out = []
+    for rank in range(ring_size):
+        first, second = zigzag_chunks(rank, ring_size)
+        runs = ((first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk))
+        out.append(((runs[0][0], runs[1][1]),) if runs[0][1] == runs[1][0] else runs)
+    return tuple(out)
 
 
-def _clip(runs: Sequence[Range], start: int, stop: int) -> tuple[Range, ...]:
-    """``runs`` intersected with ``[start, stop)``, shifted to start at 0."""
-    return tuple((max(a, start) - start, min(c, stop) - start) for a, c in runs if a < stop and c > start)
+Piece = tuple[int, int, int, int]
+"""``(document, global start, global stop, ring-local start)``: a rank's tokens of one document in one run."""
 
 
-def document_step_calls(ring_rank: int, ring_size: int, step: int, slot_len: int,
+def _pieces(runs: Runs, documents: Sequence[Range], doc_starts: Sequence[int]) -> list[Piece]:
+    """``runs`` cut at the document boundaries, in order."""
+    out: list[Piece] = []
+    local = 0
+    for a, b in runs:
+        doc = bisect.bisect_right(doc_starts, a) - 1
+        while a < b:
+            stop = min(b, documents[doc][1])
+            out.append((doc, a, stop, local))
+            local += stop - a
+            a, doc = stop, doc + 1
+    return out
+
+
+def _by_document(pieces: list[Piece]) -> dict[int, list[Piece]]:
+    grouped: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        grouped.setdefault(piece[0], []).append(piece)
+    return grouped
+
+
+def _diagonal_segments(pieces: list[Piece]) -> tuple[Range, ...]:
+    """Each document's ring-local range (its pieces are adjacent there)."""
+    out: list[list[int]] = []
+    doc_of_last = -1
+    for doc, a, b, local in pieces:
+        if doc == doc_of_last:
+            out[-1][1] = local + b - a
+        else:
+            out.append([local, local + b - a])
+            doc_of_last = doc
+    return tuple((a, b) for a, b in out)
+
+
+def _rectangles(row: int, q_pieces: list[Piece], kv_pieces: list[Piece]) -> list[RectangleCall]:
+    """One document's rectangles: each query piece sees the K/V pieces that end before it starts (a
+    prefix of the document's K/V range); query pieces that see the same prefix share one call."""
+    kv_stops = [b for _, _, b, _ in kv_pieces]
+    kv_lo = kv_pieces[0][3]
+    calls: list[RectangleCall] = []
+    for _, a, b, local in q_pieces:
+        seen = bisect.bisect_right(kv_stops, a)  # K/V pieces wholly before this query piece
+        if not seen:
+            continue
+        _, ka, kb, klocal = kv_pieces[seen - 1]
+        kv = (kv_lo, klocal + kb - ka)
+        last = calls[-1] if calls else None
+        if last is not None and last.kv == kv and last.q[1] == local:
+            calls[-1] = RectangleCall(row, (last.q[0], local + b - a), kv)
+        else:
+            calls.append(RectangleCall(row, (local, local + b - a), kv))
+    return calls
+
+
+def document_step_calls(ring_rank: int, ring_size: int, step: int, ring_runs: Sequence[Sequence[Runs]],
                         documents: Sequence[Sequence[Range]]) -> tuple[DocumentCall, ...]:
-    """The calls of one ring step under a document mask (module docstring): ``documents[b]`` are
-    row ``b``'s document runs of global positions, in order, tiling ``[0, 2 R L)``."""
-    q_chunks = zigzag_chunks(ring_rank, ring_size)
-    kv_chunks = zigzag_chunks(kv_source(ring_rank, ring_size, step), ring_size)
-    starts = [[a for a, _ in runs] for runs in documents]
+    """The calls of one ring step under a document mask (module docstring): ``ring_runs[b][r]`` are
+    ring rank ``r``'s runs of row ``b``; ``documents[b]`` row ``b``'s document runs of global
+    positions, in order, tiling the row."""
+    if len(ring_runs) != len(documents):
+        raise ValueError(f"{len(ring_runs)} rows of ring runs for {len(documents)} rows of documents")
+    source = kv_source(ring_rank, ring_size, step)
     calls: list[DocumentCall] = []
-    for q_slot, qc in enumerate(q_chunks):
-        q_lo, q_hi = qc * slot_len, (qc + 1) * slot_len
-        for kv_slot, kc in enumerate(kv_chunks):
-            k_lo, k_hi = kc * slot_len, (kc + 1) * slot_len
-            if kc == qc:
-                calls.append(DiagonalCall(q_slot, tuple(_clip(runs, q_lo, q_hi) for runs in documents)))
-            elif kc < qc:
-                for row, runs in enumerate(documents):
-                    doc_lo, doc_hi = _document_at(runs, starts[row], q_lo)
-                    if doc_lo < k_hi:  # doc(p) reaches back into the KV chunk
-                        calls.append(RectangleCall(row, q_slot, kv_slot, (0, min(doc_hi, q_hi) - q_lo),
-                                                   (max(doc_lo, k_lo) - k_lo, slot_len)))
-    return tuple(calls)
+    diagonal = []
+    for row, (runs, docs) in enumerate(zip(ring_runs, documents, strict=True)):
+        if len(runs) != ring_size:
+            raise ValueError(f"row {row} has runs for {len(runs)} ring ranks, the ring {ring_size}")
+        starts = [a for a, _ in docs]
+        q_pieces = _pieces(runs[ring_rank], docs, starts)
+        if step == 0:
+            diagonal.append(_diagonal_segments(q_pieces))
+            continue
+        kv_by_doc = _by_document(_pieces(runs[source], docs, starts))
+        for doc, pieces in _by_document(q_pieces).items():
+            if doc in kv_by_doc:
+                calls.extend(_rectangles(row, pieces, kv_by_doc[doc]))
+    return (DiagonalCall(tuple(diagonal)),) if step == 0 else tuple(calls)

@@ -302,15 +302,51 @@ def causal_work_per_rank(seq_len: int, layout: Array, ring_size: int) -> Array:
     return step_work([seq_len], layout, ring_size).sum(axis=1)
 
 
+PIECE_FLOOR_TOKENS = 128
+"""The shortest piece the cap on the split length may cut (one flash-attention tile): a zigzagged
+document's pieces are ring blocks of their own (one kernel call per shared document and step)."""
+
+
+def split_threshold(seq_len: int, ring_size: int, min_split: int) -> int:
+    """The length from which a job's document-aware layout zigzags a document inside itself:
+    ``min(min_split, max(S / (4R), 2R x PIECE_FLOOR_TOKENS))``. A document dealt whole puts all
+    its ``n^2 / 2`` pairs on one ring rank; once ``n`` nears a rank's share ``S/R`` that one
+    document outweighs the mean, so on short sequences over wide rings a fixed 16K leaves the
+    busiest rank 2x the mean at 128K on 16 ring ranks (8K tokens each), no better than the fixed
+    zigzag; capped at ``S/(4R)`` it stays within 3 % on every mix computed. The floor keeps the
+    pieces at least a kernel tile long (the cap would cut 64-token pieces there); where it binds
+    (128K on 16 ring ranks: 4096 instead of 2048) the busiest rank is 1.10x the mean
+    (docs/benchmarks/document_balance.md). A ``min_split`` below both is taken as set."""
+    return min(min_split, max(seq_len // (4 * ring_size), 2 * ring_size * PIECE_FLOOR_TOKENS))
+
+
+def job_intervals(lengths: Sequence[int], ring_size: int, balance: str, min_split: int) -> Array:
+    """The layout a job runs one row of documents ``lengths`` in, under ``[upipe] document_balance``:
+    ``"zigzag"`` (``zigzag_intervals``) or ``"documents"`` (``document_zigzag_intervals`` with
+    ``greedy_fill`` at ``split_threshold``, as ``parallel.BatchDocumentLayout``)."""
+    seq_len = int(sum(lengths))
+    if balance == "zigzag":
+        return zigzag_intervals(seq_len, ring_size)
+    if balance == "documents":
+        return document_zigzag_intervals(lengths, ring_size, split_threshold(seq_len, ring_size, min_split),
+                                         greedy_fill=True)
+    raise ValueError(f"balance {balance!r}: valid values are zigzag, documents")
+
+
+def runs_intervals(ring_runs: Sequence[Sequence[tuple[int, int]]]) -> Array:
+    """A layout from each ring rank's ``(start, stop)`` runs (``ring_runs[r]``, as the ring reads them)."""
+    return _as_i64([(a, b, r) for r, runs in enumerate(ring_runs) for a, b in runs]).reshape(-1, 3)
+
+
 def ring_work_ratios(rows: Sequence[Sequence[int]], ring_size: int, min_split: int) -> tuple[float, float]:
     """Busiest / mean ring-rank work of one batch (``rows``: each row's document lengths), summed
     over the rows: ``(fixed zigzag, document-aware zigzag)`` (``zigzag_intervals``;
-    ``document_zigzag_intervals`` with ``greedy_fill``, as ``parallel.DocumentZigzagLayout``). Under
-    the ring's synchronous steps the busiest rank sets every rank's attention time."""
+    ``document_zigzag_intervals`` with ``greedy_fill`` at ``split_threshold``, as the job's
+    ``parallel.BatchDocumentLayout``: ``job_intervals``). Under the ring's synchronous steps the
+    busiest rank sets every rank's attention time."""
     zigzag, documents = np.zeros(ring_size), np.zeros(ring_size)
     for lengths in rows:
-        seq_len = int(sum(lengths))
-        zigzag += step_work(lengths, zigzag_intervals(seq_len, ring_size), ring_size).sum(axis=1)
-        balanced = document_zigzag_intervals(lengths, ring_size, min_split, greedy_fill=True)
-        documents += step_work(lengths, balanced, ring_size).sum(axis=1)
+        zigzag += step_work(lengths, job_intervals(lengths, ring_size, "zigzag", min_split), ring_size).sum(axis=1)
+        documents += step_work(lengths, job_intervals(lengths, ring_size, "documents", min_split),
+                               ring_size).sum(axis=1)
     return float(zigzag.max() / zigzag.mean()), float(documents.max() / documents.mean())

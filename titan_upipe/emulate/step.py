@@ -202,7 +202,9 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
         inputs = packed_document_tokens(inputs.clamp(max=eos_id - 1), eos_id)
     if cp_mesh is None:
         return _Batch(inputs, labels, inputs, labels, {})
-    batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
+    upipe = job_config.upipe
+    batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
+                             document_balance=upipe.document_balance, document_min_split=upipe.document_min_split)
     return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs())
 
 

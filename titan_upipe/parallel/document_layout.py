@@ -22,19 +22,24 @@ gives ``ZigzagLayout``'s chunks exactly.
 
     S = 16, R = 2, min_split = 8; documents A = [0, 10), b = [10, 12), c = [12, 16)
 
-    tokens     0 1 | 2 3 4 | 5 6 | 7 8 9 | 10 11 | 12 13 14 15
-    A's pieces  p0 |   p1  |  p2 |   p3  |       |
-    ring rank   0  |   1   |  1  |   0   |   1   |  0  0  0  1
-                     A cut in 2R = 4 pieces dealt 0, 1, 1, 0 (5 tokens each, 3 of room left);
-                     b (2 tokens) whole to rank 1 (25 pairs of work against rank 0's 30);
-                     c (4 tokens) fits nowhere whole: it fills rank 0's 3 tokens, then rank 1's 1
-    runs       rank 0: [0, 2) [7, 10) [12, 15)      rank 1: [2, 7) [10, 12) [15, 16)
+    tokens     0 1 2 | 3 4 5 | 6 7 | 8 9 | 10 11 | 12 | 13 14 15
+    A's pieces   p0  |   p1  |  p2 |  p3 |       |    |
+    ring rank    0   |   1   |  1  |  0  |   0   |  0 |  1  1  1
+                     A cut in 2R = 4 pieces dealt 0, 1, 1, 0 (10 = 4 x 2 + 2: the two tokens
+                     left over go to ranks 0 and 1 in turn; 5 tokens each, 3 of room left);
+                     b (2 tokens) whole to rank 0 (25 pairs of work against rank 1's 30);
+                     c (4 tokens) fits nowhere whole: it fills rank 0's last token, then rank 1's 3
+    runs       rank 0: [0, 3) [8, 13)      rank 1: [3, 8) [13, 16)
 
 Deterministic: a pure function of the document lengths (stable sorts, ties to the lowest rank, integer
 arithmetic for the cuts and the room; work compared as exact integers). Every rank derives the same
 layout from the same batch (the global document ids every rank already holds for the mask), so no
 collective is needed to agree on it; ``positions`` of a rank are sent as ``(start, stop)`` runs
 (``position_runs``), a few per document, not per token.
+
+A batch of ``B`` rows gets one layout per row (``BatchDocumentLayout``): a rank's tokens, labels and
+positions are ``[B, S/C]`` with each row in its own layout, which the ring's plan reads as per-row
+runs (``attention.ring_plan.document_step_calls``).
 """
 
 from __future__ import annotations
@@ -45,8 +50,16 @@ from functools import cached_property
 
 import torch
 
-from titan_upipe.costs.document_balance import document_zigzag_intervals
+from titan_upipe.costs.document_balance import document_zigzag_intervals, split_threshold
+from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.layout import RingUlyssesRanks, shard_at_positions, unshard_from_positions
+
+DOCUMENT_BALANCES = ("zigzag", "documents")
+"""``[upipe] document_balance``: the fixed zigzag (``ZigzagLayout``) or this per-batch layout."""
+
+DEFAULT_MIN_SPLIT = 16384
+"""Documents of at least this many tokens are zigzagged inside themselves; shorter ones are dealt
+whole (``docs/benchmarks/document_balance.md`` measured the balance with this value)."""
 
 Runs = tuple[tuple[int, int], ...]
 """Half-open ``(start, stop)`` token runs in global order."""
@@ -110,8 +123,9 @@ class DocumentZigzagLayout(RingUlyssesRanks):
 
     @classmethod
     def of_documents(cls, lengths: Sequence[int], ring_size: int, ulysses_size: int = 1,
-                     min_split: int = 16384) -> DocumentZigzagLayout:
-        """The layout of one sequence of documents ``lengths`` (module docstring)."""
+                     min_split: int = DEFAULT_MIN_SPLIT) -> DocumentZigzagLayout:
+        """The layout of one sequence of documents ``lengths`` (module docstring); ``min_split`` is the
+        split length as given (a job's layout caps it: ``BatchDocumentLayout.of_document_ids``)."""
         return cls(sum(lengths), ring_size, ulysses_size, document_zigzag_runs(lengths, ring_size, min_split))
 
     def position_runs(self, rank: int) -> Runs:
@@ -129,13 +143,19 @@ class DocumentZigzagLayout(RingUlyssesRanks):
         return tuple(out)
 
     @cached_property
-    def _positions(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.cat([torch.arange(a, b) for a, b in self.position_runs(r)])
-                     for r in range(self.world_size))
+    def _positions(self) -> dict[int, torch.Tensor]:
+        """Positions by rank, each built at its first use (a rank needs its own, ``unshard`` all)."""
+        return {}
 
     def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of ``rank``'s tokens, ``[S/(RU)]`` int64, ascending."""
         self._check_rank(rank)
+        if rank not in self._positions:
+            runs = torch.tensor(self.position_runs(rank), dtype=torch.int64).reshape(-1, 2)
+            lengths = runs[:, 1] - runs[:, 0]
+            # token k of run i is at runs[i, 0] + (k - first local index of run i)
+            shift = runs[:, 0] - (torch.cumsum(lengths, 0) - lengths)
+            self._positions[rank] = torch.arange(self.local_len) + torch.repeat_interleave(shift, lengths)
         return self._positions[rank].to(device)
 
     def global_index(self, rank: int, local_index: int) -> int:
@@ -161,3 +181,96 @@ class DocumentZigzagLayout(RingUlyssesRanks):
     def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
         """The full sequence from every rank's shard, given in CP rank order."""
         return unshard_from_positions(self, shards, seq_dim)
+
+
+@dataclass(frozen=True)
+class BatchDocumentLayout:
+    """A ``[B, S]`` batch over ``ring x ulysses`` ranks, row ``b`` in its own ``rows[b]`` layout: a
+    rank's shard of a ``[B, S, ...]`` tensor is ``[B, S/C, ...]`` and its positions ``[B, S/C]``."""
+
+    rows: tuple[DocumentZigzagLayout, ...]
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("a batch layout needs at least one row")
+        shapes = {(r.seq_len, r.ring_size, r.ulysses_size) for r in self.rows}
+        if len(shapes) != 1:
+            raise ValueError(f"the rows' layouts differ in (seq_len, ring, ulysses): {sorted(shapes)}")
+
+    @classmethod
+    def of_document_ids(cls, doc_ids: torch.Tensor, ring_size: int, ulysses_size: int = 1,
+                        min_split: int = DEFAULT_MIN_SPLIT) -> BatchDocumentLayout:
+        """From the batch's ``[B, S]`` document ids (equal id = one document, one contiguous run); the
+        documents of ``costs.document_balance.split_threshold(S, R, min_split)`` tokens or more (the
+        configured ``min_split``, or ``S/(4R)`` but at least ``2R x 128`` when shorter) are zigzagged inside
+        themselves."""
+        ids = doc_ids.cpu()
+        threshold = split_threshold(ids.shape[1], ring_size, min_split)
+        return cls(tuple(DocumentZigzagLayout.of_documents(document_lengths(row), ring_size, ulysses_size, threshold)
+                         for row in ids))
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows[0].seq_len
+
+    @property
+    def ring_size(self) -> int:
+        return self.rows[0].ring_size
+
+    @property
+    def ulysses_size(self) -> int:
+        return self.rows[0].ulysses_size
+
+    @property
+    def world_size(self) -> int:
+        return self.rows[0].world_size
+
+    @property
+    def local_len(self) -> int:
+        return self.rows[0].local_len
+
+    def ring_runs(self) -> tuple[tuple[Runs, ...], ...]:
+        """``[B][R]``: each row's runs per ring rank (what the ring's plan reads)."""
+        return tuple(row.ring_runs for row in self.rows)
+
+    def check_degrees(self, ring_size: int, ulysses_size: int) -> None:
+        """ConfigError unless this layout is for ``ring x ulysses`` ranks (the attention's mesh)."""
+        if (self.ring_size, self.ulysses_size) != (ring_size, ulysses_size):
+            raise ConfigError(
+                f"the batch's document layout is for ring {self.ring_size} x ulysses {self.ulysses_size} ranks but "
+                f"the attention runs on ring {ring_size} x ulysses {ulysses_size}: build the mask with the model's "
+                "cp_mesh (titan_upipe.attention.document_mask(ids, cp_mesh, balance=\"documents\"))")
+
+    @cached_property
+    def _positions(self) -> dict[tuple[int, str], torch.Tensor]:
+        """``[B, S/C]`` positions by (rank, device): stacked and copied to a device once per batch,
+        not at every layer that asks (the attention without explicit positions, the layout check)."""
+        return {}
+
+    def positions(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """``[B, S/C]`` int64: each row's global positions of ``rank``'s tokens, ascending."""
+        key = (rank, str(torch.device(device) if device is not None else torch.device("cpu")))
+        if key not in self._positions:
+            self._positions[key] = torch.stack([row.positions(rank) for row in self.rows]).to(device)
+        return self._positions[key]
+
+    def _check_batch(self, t: torch.Tensor) -> None:
+        if t.dim() < 2 or t.shape[0] != self.batch:
+            raise ConfigError(f"a batch layout of {self.batch} rows shards [batch, seq, ...] tensors; got "
+                              f"shape {tuple(t.shape)}")
+
+    def shard(self, t: torch.Tensor, rank: int, seq_dim: int) -> torch.Tensor:
+        """``rank``'s tokens of ``t`` ``[B, ..., S (at seq_dim), ...]``, each row in its own layout."""
+        self._check_batch(t)
+        if seq_dim < 1:
+            raise ValueError(f"seq_dim {seq_dim}: dim 0 is the batch")
+        return torch.stack([row.shard(t[b], rank, seq_dim - 1) for b, row in enumerate(self.rows)])
+
+    def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
+        """The full ``[B, ..., S, ...]`` tensor from every rank's shard, given in CP rank order."""
+        self._check_batch(shards[0])
+        return torch.stack([row.unshard([s[b] for s in shards], seq_dim - 1) for b, row in enumerate(self.rows)])

@@ -1,7 +1,9 @@
 """Shard a batch's sequence over a context-parallel mesh and gather it back.
 
 The layout follows from the mesh (``titan_upipe.parallel.mesh``): contiguous on a 1-D CP
-mesh, zigzag on a 1-D "ring" mesh or a 2-D ``(ring, ulysses)`` mesh.
+mesh, zigzag on a 1-D "ring" mesh or a 2-D ``(ring, ulysses)`` mesh; or, for a batch of packed
+documents with ``[upipe] document_balance = "documents"``, from the batch
+(``BatchDocumentLayout``, which the document mask carries).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.document_layout import BatchDocumentLayout
 from titan_upipe.parallel.layout import ContiguousLayout, SequenceLayout, ZigzagLayout
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 
@@ -22,10 +26,22 @@ def layout_for(cp_mesh: DeviceMesh, seq_len: int) -> SequenceLayout:
     return ZigzagLayout(seq_len, ring, ulysses)
 
 
-def shard_sequence(t: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _layout(cp_mesh: DeviceMesh, seq_len: int, batch_layout: BatchDocumentLayout | None) -> SequenceLayout:
+    if batch_layout is None:
+        return layout_for(cp_mesh, seq_len)
+    batch_layout.check_degrees(*mesh_degrees(cp_mesh))
+    if batch_layout.seq_len != seq_len:
+        raise ConfigError(f"the batch's document layout covers {batch_layout.seq_len} tokens, the tensor {seq_len}")
+    return batch_layout
+
+
+def shard_sequence(t: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int,
+                   batch_layout: BatchDocumentLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's shard of ``t`` along ``seq_dim`` (a contiguous copy) and the global
-    positions of its tokens (``[S/C]`` int64 on ``t``'s device)."""
-    layout = layout_for(cp_mesh, t.shape[seq_dim])
+    positions of its tokens (``[S/C]`` int64 on ``t``'s device). ``batch_layout``: the batch's
+    document-aware layout (``DocumentMask.layout``), each row in its own: ``t`` is ``[B, ...]`` and
+    the positions ``[B, S/C]``."""
+    layout = _layout(cp_mesh, t.shape[seq_dim], batch_layout)
     rank = layout_rank(cp_mesh)
     return layout.shard(t, rank, seq_dim).contiguous(), layout.positions(rank, device=t.device)
 
@@ -38,11 +54,12 @@ def _all_gather(local: torch.Tensor, group, size: int, seq_dim: int) -> list[tor
     return shards
 
 
-def gather_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, seq_dim: int,
+                    batch_layout: BatchDocumentLayout | None = None) -> torch.Tensor:
     """Exact inverse of ``shard_sequence`` (all-gather; not differentiable)."""
     ring, ulysses = mesh_degrees(cp_mesh)
     local = local.detach().contiguous()
-    layout = layout_for(cp_mesh, local.shape[seq_dim] * ring * ulysses)
+    layout = _layout(cp_mesh, local.shape[seq_dim] * ring * ulysses, batch_layout)
     if ring * ulysses == 1:
         return local.clone()
     # Gather within the Ulysses group (its pieces, in order, are one ring rank's ring-local

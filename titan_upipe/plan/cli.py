@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 
 from titan_upipe.attention.backends import BACKENDS
 from titan_upipe.errors import exit_once
+from titan_upipe.parallel.document_layout import DOCUMENT_BALANCES
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput, as_tsp
 from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--documents", action="store_true",
                         help="packed documents (block-causal masks): plan the document mask on every rank "
                              "(a TOML's flavor turns this on with attn_mask_type = 'block_causal')")
+    parser.add_argument("--document-balance", choices=DOCUMENT_BALANCES, default=None,
+                        help="with --documents on a ring: the fixed zigzag or each batch's own layout "
+                             "([upipe] document_balance; default documents)")
     parser.add_argument("--gpu-mem", type=positive_size, default=None, help="GiB of device memory per GPU (e.g. 80)")
     parser.add_argument("--host-mem", type=positive_size, default=None, help="GiB of host memory per node (e.g. 1900)")
     parser.add_argument("--reserve-gib", type=non_negative_size, default=None,
@@ -128,6 +132,8 @@ def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bo
         job = replace(job, reserve_bytes=int(args.reserve_gib * GIB))
     if args.documents:
         job = replace(job, documents=True)
+    if args.document_balance is not None:
+        job = replace(job, document_balance=args.document_balance)
     return job, paper_model
 
 

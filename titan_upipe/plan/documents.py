@@ -21,6 +21,19 @@ needs the document of every token, not only of its shard. With ``B`` rows of ``S
   documents of the batch: on the host, or on the device for one varlen kernel call (CUDA), a
   transient of at most ``4 (B S + 1)`` bytes.
 
+With ``[upipe] document_balance = "documents"`` on a ring, each batch has its own layout
+(``parallel.BatchDocumentLayout``), built from the same ids on every rank before the forward:
+
+* the positions a rank feeds the model are ``[B, S/C]`` (one row per batch row) instead of
+  ``[S/C]``: ``8 B S/C`` bytes, in the token term;
+* the layout keeps each row's positions of this rank, ``8 B S/C`` bytes, for the step (host
+  memory on CUDA, where the shards' index is copied to the device; a term on CPU);
+* nothing else outlives the build: its transients (the document lengths from the ids, the runs)
+  stay below the shards it returns, measured;
+* host lists: each row's runs per ring rank (a few per long document, one per short one) and the
+  ring's calls per step, planned once per batch (one rectangle per shared document and step):
+  ``LAYOUT_HOST_BYTES`` per document at most, a note.
+
 The measured bytes are in ``tests/test_plan_documents.py`` (``LiveTensorTracker``).
 """
 
@@ -33,6 +46,17 @@ from titan_upipe.plan.units import format_bytes
 SEGMENT_HOST_BYTES = 100
 """Host bytes per document of ``DocumentMask.document_segments`` (CPython 3.11): a 2-tuple (56),
 its list slot (8) and one int (28: a segment's stop is the next one's start object), rounded up."""
+
+
+LAYOUT_HOST_BYTES = 400
+"""Host bytes per document of a batch's document-aware layout: its runs (two 2-tuples per zigzagged
+piece pair, one per whole document) and the ring's planned segments and rectangles, rounded up
+(measured in tests/test_plan_documents.py)."""
+
+
+def layout_positions_bytes(job: PlanInput) -> int:
+    """The layout's own copy of each row's positions of this rank, ``8 B S/C`` (0 without one)."""
+    return 8 * job.batch * job.local_len if job.document_layout else 0
 
 
 def document_index_bytes(job: PlanInput) -> int:
@@ -52,8 +76,14 @@ def segments_build_bytes(job: PlanInput) -> int:
 
 
 def document_index_terms(job: PlanInput) -> Terms:
-    """The held mask: a state term of every moment (built with the batch, read by every layer)."""
-    return {Term.DOC_INDEX: document_index_bytes(job)} if job.documents else {}
+    """The held mask (and on CPU its layout's positions): state terms of every moment (built with
+    the batch, read by every layer)."""
+    if not job.documents:
+        return {}
+    terms = {Term.DOC_INDEX: document_index_bytes(job)}
+    if job.document_layout and job.device == "cpu":  # on CUDA the layout's copy is host memory
+        terms[Term.DOC_LAYOUT] = layout_positions_bytes(job)
+    return terms
 
 
 def segment_host_bound(job: PlanInput) -> int:
@@ -63,9 +93,14 @@ def segment_host_bound(job: PlanInput) -> int:
 
 def documents_note(job: PlanInput) -> str:
     """The host-side metadata, bounded by the number of documents."""
-    return (f"packed documents: the document segments are host lists, ~{SEGMENT_HOST_BYTES} B per document "
+    note = (f"packed documents: the document segments are host lists, ~{SEGMENT_HOST_BYTES} B per document "
             f"(at most {format_bytes(segment_host_bound(job))} per rank with a document per token); "
             "cu_seqlens 4 B per document (per varlen kernel call on CUDA)")
+    if job.document_layout:
+        note += (f"; the batch's document-aware layout (document_balance = \"documents\"): runs and ring calls "
+                 f"~{LAYOUT_HOST_BYTES} B per document on the host, each row's positions of this rank "
+                 f"{format_bytes(layout_positions_bytes(job))}" + (" on the host" if job.device == "cuda" else ""))
+    return note
 
 
 def documents_summary(job: PlanInput) -> dict[str, int] | None:
@@ -74,4 +109,6 @@ def documents_summary(job: PlanInput) -> dict[str, int] | None:
         return None
     return {"document_index_bytes": document_index_bytes(job), "mask_build_bytes": mask_build_bytes(job),
             "segments_build_bytes": segments_build_bytes(job),
-            "segment_host_bytes_per_document": SEGMENT_HOST_BYTES}
+            "segment_host_bytes_per_document": SEGMENT_HOST_BYTES,
+            "document_layout": job.document_layout, "layout_positions_bytes": layout_positions_bytes(job),
+            "layout_host_bytes_per_document": LAYOUT_HOST_BYTES if job.document_layout else 0}

@@ -120,6 +120,9 @@ class PlanInput:
     documents: bool = False
     """Packed documents: the model args' ``attn_mask_type == "block_causal"``. Every rank holds the
     global batch's ``DocumentMask`` (``titan_upipe.plan.documents``)."""
+    document_balance: str = "documents"
+    """``[upipe] document_balance``: with packed documents on a ring, ``documents`` lays each batch out
+    by its documents (``[B, S/C]`` positions and the layout's, ``titan_upipe.plan.documents``)."""
     tsp_kv_heads_per_bucket: int = 0
     """``[tsp] kv_heads_per_bucket`` (0: all of a rank's ``K/D`` KV heads in one all-gather)."""
     tsp_overlap: bool = True
@@ -157,6 +160,11 @@ class PlanInput:
     @property
     def ring(self) -> int:
         return self.degrees.ring_degree
+
+    @property
+    def document_layout(self) -> bool:
+        """Each batch in its own document-aware layout: packed documents on a ring, ``document_balance = "documents"``."""
+        return self.documents and self.ring > 1 and self.document_balance == "documents"
 
     @property
     def u(self) -> int:

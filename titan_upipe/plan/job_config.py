@@ -70,7 +70,7 @@ def plan_input_from_job_config(job_config, world_size: int | None = None, device
         attention_backend=PLAN_AUTO_BACKEND if upipe.attention_backend == "auto" else upipe.attention_backend,
         cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
         prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
-        device=device, documents=packs_documents(model_args),
+        device=device, documents=packs_documents(model_args), document_balance=upipe.document_balance,
         optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
         tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
     )

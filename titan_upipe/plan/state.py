@@ -34,8 +34,10 @@ def state_terms(s: StepSizes, grads: int) -> Terms:
         terms[Term.ADAMW_MOMENTS] = 2 * math.ceil(m.total_params / w) * 4 + 4 * m.param_tensors
     terms.update({
         Term.GRAD_SHARDS: grads,
-        # global batch and this rank's shard of inputs and labels, positions (int64)
-        Term.TOKENS: 2 * 8 * job.batch * (job.seq_len + job.local_len) + 3 * 8 * job.local_len,
+        # global batch and this rank's shard of inputs and labels, positions (int64; one row per
+        # batch row in a document-aware layout)
+        Term.TOKENS: 2 * 8 * job.batch * (job.seq_len + job.local_len)
+        + 3 * 8 * job.local_len * (job.batch if job.document_layout else 1),
     })
     terms.update(rope_terms(s))
     terms.update(document_index_terms(job))

@@ -33,6 +33,7 @@ class Term(Enum):
     DOC_INDEX = "document index of the global batch (int64 [B, S], every rank)"
     DOC_BUILD = "document mask build: EOS as int64 and its cumsum (from_eos)"
     DOC_SEGMENTS_BUILD = "document segments build: positions, their documents, run breaks"
+    DOC_LAYOUT = "document-aware layout: each row's positions of this rank (int64 [B, S/C])"
     # FSDP2
     FSDP_BLOCK = "FSDP: unsharded block parameters"
     FSDP_GATHER_THIS = "FSDP: all-gather buffer of this block (kept until the next all-gather)"

@@ -20,6 +20,10 @@ done when a report holds its results; nothing else is remembered.
 6    ``memory`` Qwen3-32B UPipe-in-USP 1M-4M              that run
 7    ``tsp`` Llama3-8B 128K, 1M, 2M                       that run
 8    ``attention`` at 2M                                  every candidate backend reported at 2M
+9    ``ring_documents`` 128K, then 1M (one call each):    each (R, balance) at the length timed, or
+     packed documents on a ring of R = 8 and 16,          out of memory (not a skip for want of a
+     ``document_balance`` zigzag and documents            varlen kernel, nor an error)
+     (issue 35)
 ===  ===================================================  =========================================
 
 An item whose estimate does not fit what is left of the call is passed over for the next one
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_upipe.tools.gpu_attention import DENSE_LENGTHS, case_key, plan_cases
+from titan_upipe.tools.gpu_ring_documents import BALANCES, RING_LENGTHS, RINGS
 
 
 def case_key_of(case) -> tuple:
@@ -110,6 +115,19 @@ def speed_done(length: str, backend: str | None) -> Callable[[list[dict]], bool]
     return done
 
 
+def ring_documents_done(length: str) -> Callable[[list[dict]], bool]:
+    """Every ring size and balance of the ring_documents stage at ``length`` timed (its per-rank
+    milliseconds reported and its pair self-check passed) or out of memory. A skip (no varlen kernel
+    on that machine), a failed self-check or an error leaves it pending for a later call."""
+    wanted = {(ring, balance) for ring in RINGS for balance in BALANCES}
+
+    def done(reports: list[dict]) -> bool:
+        got = {(r.get("ring"), r.get("balance")) for _, r in _results(reports, "ring_documents")
+               if r.get("length") == length and ((r.get("ok") and "rank_ms" in r) or r.get("oom"))}
+        return wanted <= got
+    return done
+
+
 def build_queue(estimate: Callable[[str, tuple[str, ...], str | None], float], fastest: str | None,
                 backends: tuple[str, ...]) -> list[QueueItem]:
     """The items in priority order (module docstring). ``estimate(stage, lengths, select)``: the
@@ -131,6 +149,7 @@ def build_queue(estimate: Callable[[str, tuple[str, ...], str | None], float], f
                    run_done(f"qwen3_32b upipe_usp {x}")) for x in ("1M", "2M", "3M", "4M")]
     items += [item(f"tsp llama3_8b {x}", "tsp", (x,), done=run_done(f"llama3_8b tsp {x}")) for x in ("128K", "1M", "2M")]
     items.append(item("attention 2M", "attention", ("2M",), done=attention_done(("2M",), backends)))
+    items += [item(f"ring_documents {x}", "ring_documents", (x,), done=ring_documents_done(x)) for x in RING_LENGTHS]
     return items
 
 

@@ -164,8 +164,41 @@ def _tsp_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def _ring_documents_table(results: list[dict]) -> list[str]:
+    """One row per (length, R, balance): each ring rank's fwd + bwd kernel ms, busiest / mean and the
+    synchronous ring's step beside the computed ratios (``gpu_ring_documents``); then per (length, R)
+    the zigzag ring step over the documents one, measured and computed."""
+    lines = ["| length | R | balance | backend | per-rank fwd + bwd ms | busiest / mean | computed | "
+             "ring step ms | ring step / mean | computed | pairs = W |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    timed: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        if r.get("skipped"):
+            lines.append(f"| - | - | - | skipped | {r.get('detail', '')} | | | | | | |")
+            continue
+        head = f"| {r['length']} | {r['ring']} | {r['balance']} | {r.get('backend', '-')} |"
+        if "rank_ms" not in r:
+            what = "OOM" if r.get("oom") else f"FAILED: {r.get('error', '')}"
+            lines.append(f"{head} {what} | | | | | | |")
+            continue
+        lines.append(f"{head} {' '.join(f'{x:.1f}' for x in r['rank_ms'])} | {r['busiest_over_mean']:.2f} | "
+                     f"{r['computed_busiest_over_mean']:.2f} | {r['ring_step_ms']:.1f} | "
+                     f"{r['ring_step_over_mean']:.2f} | {r['computed_ring_step_over_mean']:.2f} | "
+                     f"{'yes' if r.get('pairs_match') else 'NO'} |")
+        timed.setdefault((r["length"], r["ring"]), {})[r["balance"]] = r
+    both = [(key, by) for key, by in timed.items() if {"zigzag", "documents"} <= set(by)]
+    if both:
+        # computed: both layouts hold the same total work, so the ratio of their ring step / mean is
+        # the ratio of their ring times, sum_t max_r W[r, t]
+        lines += ["", "| length | R | ring step zigzag / documents (measured) | computed |", "|---|---|---|---|"]
+        for (length, ring), by in both:
+            zz, dd = by["zigzag"], by["documents"]
+            lines.append(f"| {length} | {ring} | {zz['ring_step_ms'] / dd['ring_step_ms']:.2f} | "
+                         f"{zz['computed_ring_step_over_mean'] / dd['computed_ring_step_over_mean']:.2f} |")
+    return lines
+
+
 TABLES = {"kernels": _kernel_table, "attention": _attention_table, "memory": _memory_table, "speed": _speed_table,
-          "tsp": _tsp_table}
+          "tsp": _tsp_table, "ring_documents": _ring_documents_table}
 
 
 def refresh_image_packages(out: Path) -> Path:

@@ -1,7 +1,7 @@
 """GPU validation suite: everything the CPU test suite cannot show, on one CUDA GPU.
 
     python -m titan_upipe.gpu_suite --next [--budget-s 540] [--out DIR]   # the GPU queue (gpu_queue.py)
-    python -m titan_upipe.gpu_suite --stage kernels|attention|memory|speed|tsp|all [--lengths 1M,2M]
+    python -m titan_upipe.gpu_suite --stage kernels|attention|memory|speed|tsp|ring_documents|all [--lengths 1M,2M]
                                     [--select 'llama3_8b upipe'] [--budget-s 540]
     python -m titan_upipe.gpu_suite --dry-run [--next]   # on any machine: arguments, configs, wheels, plan, queue
     make gpu-suite STAGE=kernels                         # installs the carried wheels (.whl/) first
@@ -38,6 +38,12 @@ tsp         the rank emulator on TSP (issue 19), Llama3-8B over 8 GPUs with its 
             128K-2M and upward until OOM: ``max_memory_allocated``/``reserved`` at full depth, the step
             time with modelled communication and the bytes its collectives move (beside the memory
             and speed stages' Ulysses and UPipe at the same lengths)
+ring_documents
+            packed documents on a ring (issue 35), one process playing every ring rank of R = 8 and 16
+            (Llama3-8B heads, U = 1, the fastest varlen kernel, bf16) at 128K and 1M tokens under
+            ``document_balance = "zigzag"`` and ``"documents"`` (``gpu_ring_documents``): each rank's
+            kernel ms of its ring steps, busiest / mean and the synchronous ring's step beside the
+            computed ``costs.document_balance`` figures
 =========== ========================================================================================
 
 A call runs its runs in order while the next one's estimate fits before the call's deadline,
@@ -78,6 +84,7 @@ from titan_upipe.attention.kernel_speed import (
     read_rows,
 )
 from titan_upipe.plan.units import format_length
+from titan_upipe.tools import gpu_ring_documents
 from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
     DENSE_LENGTHS,
@@ -109,7 +116,7 @@ from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 REPORT_DIR = REPO / "docs" / "benchmarks" / "gpu"
-STAGES = ("kernels", "attention", "memory", "speed", "tsp")
+STAGES = ("kernels", "attention", "memory", "speed", "tsp", "ring_documents")
 DEFAULT_BUDGET_S = 540
 
 LENGTHS = {name: parse_length(name)
@@ -202,6 +209,12 @@ def attention_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
     return {x: DENSE_LENGTHS[x] for x in (lengths or ATTENTION_LENGTHS) if x in DENSE_LENGTHS}
 
 
+def ring_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
+    """The ring_documents stage's lengths of ``--lengths`` (all of them without it)."""
+    return {x: gpu_ring_documents.RING_LENGTHS[x] for x in (lengths or gpu_ring_documents.RING_LENGTHS)
+            if x in gpu_ring_documents.RING_LENGTHS}
+
+
 def plan_runs(stage: str, lengths: tuple[str, ...] | None = None, select: str | None = None) -> list[Run]:
     """The runs of one stage, in order (``lengths`` narrows the emulator and attention stages,
     ``select`` keeps the runs whose name starts with it)."""
@@ -245,6 +258,12 @@ def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
                 for method in ("ulysses", "upipe")]
     if stage == "tsp":
         return [_llama_run("tsp", "tsp", length, stop_group="tsp") for length in wanted(TSP_LENGTHS)]
+    if stage == "ring_documents":
+        # one process for the whole call: the start-up (and first-use compilation) rides on its first case
+        cases = gpu_ring_documents.plan_cases("cuda", ring_lengths(lengths))
+        return [Run("ring_documents", case.name, length=case.length,
+                    estimate_s=case.estimate_s() + (gpu_ring_documents.STARTUP_S if i == 0 else 0.0))
+                for i, case in enumerate(cases)]
     raise ValueError(f"unknown stage {stage!r}: valid stages are {', '.join(STAGES)}, all")
 
 
@@ -324,7 +343,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ToolParser(prog="python -m titan_upipe.gpu_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--stage", default="all", choices=[*STAGES, "all"])
     parser.add_argument("--lengths", default=None,
-                        help=f"comma-separated lengths for the memory/speed stages, of {', '.join(LENGTHS)}")
+                        help=f"comma-separated lengths for the emulator, attention and ring_documents stages, "
+                             f"of {', '.join(LENGTHS)}")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"seconds this call may use, all stages together (default {DEFAULT_BUDGET_S})")
     parser.add_argument("--out", default=str(REPORT_DIR),
@@ -354,7 +374,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--next picks its own stages, lengths and runs: drop --stage, --lengths and --select")
     if args.stage == "attention" and args.lengths and not set(args.lengths) & set(DENSE_LENGTHS):
         parser.error(f"--lengths for the attention stage: {', '.join(DENSE_LENGTHS)}")
-    if args.select is not None and args.stage in ("kernels", "attention", "all"):
+    if args.stage == "ring_documents" and args.lengths and not ring_lengths(args.lengths):
+        parser.error(f"--lengths for the ring_documents stage: {', '.join(gpu_ring_documents.RING_LENGTHS)}")
+    if args.select is not None and args.stage in ("kernels", "attention", "ring_documents", "all"):
         parser.error(f"--select narrows the emulator stages (memory, speed, tsp), not --stage {args.stage}")
     return args
 
@@ -521,6 +543,15 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
         run_attention_stage(device, deadline, report.environment, save_cases,
                             attention_lengths(args.lengths) if device == "cuda" else None,
                             measured={case_key(r) for r in earlier})
+        return report
+    if stage == "ring_documents":
+        def save_ring(results: list[dict], not_run: list[dict]) -> None:
+            report.results, report.not_run = results, not_run
+            report.write(out)
+
+        # (on a CPU, make test's run: the stage's tiny CPU cases, whatever --lengths says)
+        gpu_ring_documents.run_ring_documents_stage(device, deadline, save_ring,
+                                                    ring_lengths(args.lengths) if device == "cuda" else None)
         return report
     runs = plan_runs(stage, args.lengths, args.select)
     if deadline is None:

@@ -211,11 +211,13 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
     over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
     if setup.cp > 1:
         cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
-        batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
+        upipe = setup.job_config.upipe
+        batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
+                                 document_balance=upipe.document_balance, document_min_split=upipe.document_min_split)
         local_labels = batch.labels
         pred = model(batch.tokens, **batch.model_kwargs())
     else:
-        cp_mesh, local_labels = None, labels
+        cp_mesh, local_labels, batch = None, labels, None
         pred = model(inputs)
     loss = loss_fn(pred, local_labels) / n_tokens
     loss.backward()
@@ -230,7 +232,7 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
                 grads[name] = grad.full_tensor()
             else:  # replicated parameters: each CP rank holds its tokens' share
                 dist.all_reduce(grad, group=group)
-        logits = gather_sequence(local_logits.contiguous(), cp_mesh, seq_dim=1)
+        logits = gather_sequence(local_logits.contiguous(), cp_mesh, 1, batch.batch_layout)
     else:
         logits = local_logits
     return loss_sum, logits, grads

@@ -22,9 +22,12 @@ from titan_upipe.tools.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, job_assets
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
+    UPipe,
     plugin_fields,
 )
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.cp_inputs import document_layout_text
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
@@ -45,6 +48,8 @@ class LayoutSummary:
     heads_per_stage: int | None
     seq_len: int
     converters: tuple[str, ...]
+    document_layout: str | None = None
+    """Packed documents on a ring: how each batch is laid out (``[upipe] document_balance``)."""
 
     def lines(self) -> list[str]:
         rows = [
@@ -57,8 +62,17 @@ class LayoutSummary:
             if self.heads_per_stage:
                 stages = self.n_heads // self.heads_per_stage
                 rows.append(f"UPipe            U = {self.heads_per_stage} query heads per stage, {stages} stages")
+        if self.document_layout:
+            rows.append(f"packed documents {self.document_layout}")
         rows.append(f"tokens per rank  {self.seq_len // max(self.cp_degree, 1)} of {self.seq_len}")
         return rows
+
+
+def document_layout_summary(job_config, ring_degree: int) -> str | None:
+    """How a ring lays packed documents out (None: no ring, or no packed documents)."""
+    if ring_degree < 2 or not packs_documents(flavor_args(job_config, update=False)):
+        return None
+    return document_layout_text(plugin_fields(job_config.upipe, UPipe), ring_degree, job_config.training.seq_len)
 
 
 def _world_size_from_config(parallelism) -> int | None:
@@ -165,6 +179,7 @@ def summarize(job_config, world_size: int) -> LayoutSummary:
         ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree,
         heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
         converters=tuple(job_config.model.converters),
+        document_layout=document_layout_summary(job_config, layout.ring_degree),
     )
 
 

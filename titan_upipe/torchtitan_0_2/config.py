@@ -15,7 +15,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TypeVar
 
 from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
+from titan_upipe.attention.documents import check_document_balance
 from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
@@ -59,6 +61,20 @@ class UPipe:
     ulysses_degree: int = 0
     """Ulysses (all-to-all) degree inside the CP mesh; the rest is ring. 0 means all of CP is Ulysses."""
 
+    document_balance: str = "documents"
+    """How packed documents (``attn_mask_type = "block_causal"``) are laid out over a ring (ring, usp,
+    upipe inside usp): documents (each batch's own layout, ``parallel.DocumentZigzagLayout``: long
+    documents zigzagged inside themselves, short ones dealt whole to the least-loaded ring rank;
+    the busiest ring rank within a few % of the mean) or zigzag (the fixed layout of causal
+    training: the busiest rank 1.4-3x the mean on packed data, docs/benchmarks/document_balance.md).
+    Both are exact; no effect without a ring or without packed documents."""
+
+    document_min_split: int = DEFAULT_MIN_SPLIT
+    """With document_balance = "documents": documents of at least this many tokens, or of a quarter of a
+    ring rank's share (seq_len / (4 x ring), at least 2 x ring x 128) when that is shorter, are cut into
+    2 x ring pieces (zigzag inside the document); shorter ones go whole to one ring rank
+    (``costs.document_balance.split_threshold``)."""
+
     def __post_init__(self) -> None:
         _require(
             isinstance(self.heads_per_stage, int) and self.heads_per_stage >= 0,
@@ -73,6 +89,7 @@ class UPipe:
             self.ulysses_degree,
             "0 (all of CP) or a positive divisor of parallelism.context_parallel_degree",
         )
+        check_document_balance(self.document_balance, self.document_min_split, "upipe.")
 
 
 @dataclass

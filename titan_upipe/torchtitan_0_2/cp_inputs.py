@@ -17,10 +17,10 @@ from torchtitan.distributed import utils as dist_utils
 from titan_upipe.attention import sequence_mesh
 from titan_upipe.attention.documents import DocumentMask
 from titan_upipe.attention.module import ContextParallelAttention
-from titan_upipe.costs.document_balance import ring_work_ratios
+from titan_upipe.costs.document_balance import ring_work_ratios, split_threshold
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.cp_layout import CP_MODES
-from titan_upipe.parallel.document_layout import document_lengths
+from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, document_lengths
 from titan_upipe.parallel.inputs import prepare_cp_batch
 
 
@@ -55,11 +55,14 @@ def document_eos_id(model_args, tokenizer) -> int | None:
 
 
 def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_mesh: DeviceMesh,
-                eos_id: int | None = None
+                eos_id: int | None = None, upipe=None
                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
-    """``(tokens [B, S/C], labels [B, S/C], extra inputs, {"positions": [S/C], ...})`` of this CP
-    rank (``prepare_cp_batch``): the trainer's ``post_dataloading_process`` contract."""
-    batch = prepare_cp_batch(input_dict["input"], labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX)
+    """``(tokens [B, S/C], labels [B, S/C], extra inputs, {"positions": [S/C] or [B, S/C], ...})`` of
+    this CP rank (``prepare_cp_batch``): the trainer's ``post_dataloading_process`` contract.
+    ``upipe``: the job's ``[upipe]`` section (its document layout; None: the fixed zigzag)."""
+    balance = ("zigzag", DEFAULT_MIN_SPLIT) if upipe is None else (upipe.document_balance, upipe.document_min_split)
+    batch = prepare_cp_batch(input_dict["input"], labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
+                             document_balance=balance[0], document_min_split=balance[1])
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
     return batch.tokens, batch.labels, extra_inputs, batch.model_kwargs()
 
@@ -76,17 +79,29 @@ def model_ring_degree(model_parts: list[nn.Module]) -> int:
                  if isinstance(m, ContextParallelAttention)), 1)
 
 
-RING_WORK_TAGS = ("data/ring_work_busiest_over_mean", "data/ring_work_busiest_over_mean_if_document_balanced")
-"""The batch's busiest / mean ring-rank attention work under the layout the ring runs (the fixed
-zigzag) and under the document-aware zigzag (``parallel.DocumentZigzagLayout``, not yet run)."""
+def document_layout_text(upipe, ring_size: int, seq_len: int) -> str:
+    """How packed documents are laid out over a ring of ``ring_size`` (``upipe``: the job's ``[upipe]``
+    section): the trainer logs it once, ``validate`` prints it in its summary."""
+    if upipe.document_balance == "documents":
+        threshold = split_threshold(seq_len, ring_size, upipe.document_min_split)
+        return (f"each batch in its own layout over the ring of {ring_size} (upipe.document_balance = "
+                f"\"documents\": documents of {threshold} tokens or more zigzagged inside themselves, shorter ones "
+                "dealt whole)")
+    return (f"the fixed zigzag over the ring of {ring_size} (upipe.document_balance = \"zigzag\"; "
+            "data/ring_work_busiest_over_mean_documents shows what the document-aware layout would balance)")
 
-DOCUMENT_MIN_SPLIT = 16384
-"""Documents of at least this many tokens are zigzagged inside themselves (docs/benchmarks/document_balance.md)."""
+
+RING_WORK_TAGS = ("data/ring_work_busiest_over_mean_zigzag", "data/ring_work_busiest_over_mean_documents")
+"""The batch's busiest / mean ring-rank attention work under each ``[upipe] document_balance`` layout,
+the fixed zigzag and the batch's document-aware one (``parallel.DocumentZigzagLayout``), logged
+whichever the job runs: the one it runs is what its ring steps cost, the other what the switch would
+change."""
 
 
-def batch_ring_work(tokens: torch.Tensor, eos_id: int, ring_size: int) -> dict[str, float]:
+def batch_ring_work(tokens: torch.Tensor, eos_id: int, ring_size: int,
+                    min_split: int = DEFAULT_MIN_SPLIT) -> dict[str, float]:
     """``RING_WORK_TAGS`` of the global batch ``tokens [B, S]``, its documents split at each EOS as
     the mask is (``DocumentMask.from_eos``): closed-form visible pairs per ring rank."""
     ids = DocumentMask.from_eos(tokens.cpu(), eos_id).doc
     rows = [document_lengths(row) for row in ids]
-    return dict(zip(RING_WORK_TAGS, ring_work_ratios(rows, ring_size, DOCUMENT_MIN_SPLIT), strict=True))
+    return dict(zip(RING_WORK_TAGS, ring_work_ratios(rows, ring_size, min_split), strict=True))

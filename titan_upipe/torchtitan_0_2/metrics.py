@@ -29,9 +29,9 @@ memory/offload_host_gib        peak host memory held by offloaded checkpoints
 data/documents, data/doc_*     documents read since the last log and their lengths in tokens
 data/tokens_in_docs_ge_*_pct   share of tokens in long documents (``local_text`` only)
 data/ring_work_busiest_over_*  packed documents on a ring: the busiest ring rank's attention work over the
-                               mean (the ring waits for it), under the fixed zigzag the ring runs and
-                               ``_if_document_balanced`` (``parallel.DocumentZigzagLayout``); batch mean since
-                               the last log
+                               mean (the ring waits for it), ``_zigzag`` under the fixed zigzag and
+                               ``_documents`` under the batch's own layout (``parallel.DocumentZigzagLayout``),
+                               whichever ``upipe.document_balance`` runs; batch mean since the last log
 progress/<phase>_seconds       forward, backward, optimizer time of a step timed with the progress
                                on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_0_2.progress)
 ============================== ==============================================
@@ -82,8 +82,8 @@ CUSTOM_SCALARS_LAYOUT = {
         "document tokens": ("Multiline", ["data/doc_tokens_p50", "data/doc_tokens_p90", "data/doc_tokens_max"]),
         "% tokens in long documents": ("Multiline", ["data/tokens_in_docs_ge_32k_pct",
                                                      "data/tokens_in_docs_ge_seq_len_pct"]),
-        "ring work busiest / mean": ("Multiline", ["data/ring_work_busiest_over_mean",
-                                                   "data/ring_work_busiest_over_mean_if_document_balanced"]),
+        "ring work busiest / mean": ("Multiline", ["data/ring_work_busiest_over_mean_zigzag",
+                                                   "data/ring_work_busiest_over_mean_documents"]),
     },
     "Progress": {
         "phase time (s)": ("Multiline", ["progress/forward_seconds", "progress/backward_seconds",

@@ -37,13 +37,16 @@ from torch.distributed._functional_collectives import all_reduce
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     batch_ring_work,
     document_eos_id,
+    document_layout_text,
     global_valid_tokens,
     model_ring_degree,
     model_sequence_mesh,
@@ -75,14 +78,19 @@ class ContextParallelTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
+        eos_id = document_eos_id(self.model_args, self.tokenizer)
+        upipe = getattr(self.job_config, "upipe", None)  # the plugin's section (the document layout)
         if getattr(self, "_cp_sequence_mesh", None) is None:
             self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
             self._cp_ring_degree = model_ring_degree(self.model_parts)
-        eos_id = document_eos_id(self.model_args, self.tokenizer)
+            if eos_id is not None and self._cp_ring_degree > 1 and upipe is not None:
+                logger.info("packed documents: " + document_layout_text(upipe, self._cp_ring_degree,
+                                                                         self.job_config.training.seq_len))
         if eos_id is not None and self._cp_ring_degree > 1 and hasattr(self.metrics_processor, "ring_work"):
             # what the ring's synchronous steps cost this batch (the busiest ring rank sets the pace)
-            self.metrics_processor.ring_work.append(batch_ring_work(input_dict["input"], eos_id, self._cp_ring_degree))
-        return shard_batch(input_dict, labels, self._cp_sequence_mesh, eos_id)
+            self.metrics_processor.ring_work.append(batch_ring_work(
+                input_dict["input"], eos_id, self._cp_ring_degree, upipe.document_min_split if upipe else DEFAULT_MIN_SPLIT))
+        return shard_batch(input_dict, labels, self._cp_sequence_mesh, eos_id, upipe)
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)

@@ -67,7 +67,7 @@ class LayoutValidator(BaseValidator):
     def _split(self, input_dict, labels, model_parts: list[nn.Module]):
         if self.parallel_dims.cp_enabled:
             eos_id = document_eos_id(model_parts[0].model_args, self.tokenizer)
-            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), eos_id)
+            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), eos_id, getattr(self.job_config, "upipe", None))
         # Without CP, TorchTitan's own split (it also builds flex/varlen masks where a model has them).
         return Validator.post_dataloading_process(self, input_dict, labels, model_parts)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPMode, cp_mode
+from titan_upipe.parallel.cp_layout import CPLayout, CPMode, cp_mode
 from titan_upipe.torchtitan_0_2.config import (
     TSP,
     ActivationCheckpointOffload,
@@ -95,10 +95,38 @@ def _no_local_data(job_config) -> str | None:
     return f"neither training.dataset nor an enabled validation.dataset is {LOCAL_TEXT_DATASET!r}"
 
 
+def _no_documents_on_a_ring(job_config) -> str | None:
+    mode = _mode(job_config)
+    upipe = plugin_fields(job_config.upipe, UPipe)
+    if mode is None or mode is CPMode.TSP:
+        return "model.converters has no ring attention (ring, usp, upipe inside usp)"
+    cp = job_config.parallelism.context_parallel_degree
+    ring = (CPLayout(mode, cp, upipe.ulysses_degree).ring_degree
+            if isinstance(upipe.ulysses_degree, int) and isinstance(cp, int) else 2)
+    if ring == 1:
+        return f"{mode.value!r} on {cp} ranks has no ring (Ulysses and UPipe alone are balanced already)"
+    try:
+        mask_type = getattr(flavor_args(job_config, update=False), "attn_mask_type", "causal")
+    except ConfigError:  # an unknown flavor: check_job says so
+        return None
+    if mask_type != "block_causal":
+        return f"model.flavor {job_config.model.flavor!r} has attn_mask_type {mask_type!r} (no packed documents)"
+    return None
+
+
+def _no_document_layout(job_config) -> str | None:
+    why = _no_documents_on_a_ring(job_config)
+    if why or plugin_fields(job_config.upipe, UPipe).document_balance == "documents":
+        return why
+    return "upipe.document_balance is 'zigzag' (the fixed layout splits no document by size)"
+
+
 RULES = (
     Rule("upipe", UPipe, ("heads_per_stage",), _not_upipe, ", or use the 'upipe' converter"),
     Rule("upipe", UPipe, ("attention_backend", "ulysses_degree"), _no_cp_attention,
          ", or add a context-parallel converter to model.converters"),
+    Rule("upipe", UPipe, ("document_balance",), _no_documents_on_a_ring, ""),
+    Rule("upipe", UPipe, ("document_min_split",), _no_document_layout, ""),
     Rule("tsp", TSP, (), _without_converter("tsp"), ", or use the 'tsp' converter"),
     Rule("transforms", Transforms, ("mlp_tile_tokens",), _without_converter("tiled_mlp"),
          ", or add 'tiled_mlp' to model.converters"),
