@@ -497,9 +497,9 @@ def document_mask(document_ids: Tensor, cp_mesh=None, *, balance: str = "zigzag"
     document, each one contiguous run) as the ``attention_masks`` a converted attention accepts.
 
     ``balance = "documents"`` (needs ``cp_mesh``) gives the mask the batch's document-aware layout
-    over the mesh's ring (``parallel.BatchDocumentLayout``, documents of ``min_split`` tokens, or of
-    ``max(S/(4R), 2R x 128)`` when shorter, zigzagged inside themselves): shard the inputs with ``shard_sequence(t, cp_mesh, 1,
-    mask.layout)`` and pass their ``[B, S/C]`` positions.
+    over the mesh's ring (``parallel.BatchDocumentLayout``: documents of ``min_split`` tokens, or of
+    ``max(S/(4R), 2R x 128)`` when shorter, zigzagged inside themselves): shard the inputs with
+    ``shard_sequence(t, cp_mesh, 1, mask.layout)`` and pass their ``[B, S/C]`` positions.
 
     Query ``i`` attends key ``j`` iff ``j <= i`` and both lie in the same document; RoPE keeps the
     global positions (per-document ``positions``, ``DocumentMask.positions()``, can be passed when
