@@ -184,9 +184,10 @@ class DocumentZigzagLayout(RingUlyssesRanks):
 
 
 @dataclass(frozen=True)
-class BatchDocumentLayout:
+class BatchDocumentLayout(RingUlyssesRanks):
     """A ``[B, S]`` batch over ``ring x ulysses`` ranks, row ``b`` in its own ``rows[b]`` layout: a
-    rank's shard of a ``[B, S, ...]`` tensor is ``[B, S/C, ...]`` and its positions ``[B, S/C]``."""
+    rank's shard of a ``[B, S, ...]`` tensor is ``[B, S/C, ...]`` and its positions ``[B, S/C]``
+    (the sizes, ``world_size`` and ``local_len`` those of every row)."""
 
     rows: tuple[DocumentZigzagLayout, ...]
 
@@ -224,14 +225,6 @@ class BatchDocumentLayout:
     @property
     def ulysses_size(self) -> int:
         return self.rows[0].ulysses_size
-
-    @property
-    def world_size(self) -> int:
-        return self.rows[0].world_size
-
-    @property
-    def local_len(self) -> int:
-        return self.rows[0].local_len
 
     def ring_runs(self) -> tuple[tuple[Runs, ...], ...]:
         """``[B][R]``: each row's runs per ring rank (what the ring's plan reads)."""
