@@ -162,6 +162,11 @@ def sections(recipe: Recipe) -> dict[str, dict[str, object]]:
     if recipe.offload:
         pin = recipe.gpu and offloaded_bytes_per_node(recipe) <= PINNED_OFFLOAD_LIMIT
         checkpointing.update(cpu_offload=True, pin_memory=pin)
+        if recipe.gpu and recipe.method:
+            # Blocks keep their attention's output and LSE instead of recomputing it, as many as fit
+            # (the planner sizes it at launch for the GPU and host there): every block of Llama3-8B
+            # up to 1M on 80 GiB, fewer beyond, none where memory is already full (issue 41).
+            checkpointing.update(keep_attention="auto", keep_attention_blocks="auto")
     result["activation_checkpoint"] = checkpointing
     if recipe.gpu:
         # Steps at millions of tokens take minutes; TorchTitan's default 100 s collective

@@ -16,5 +16,9 @@ if ! "$py" -c "import torchtitan" 2>/dev/null; then
   export PYTHONPATH="$("$py" titan_upipe/tools/gpu_wheels.py pythonpath --target "$site")${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Compiled kernels (FlashAttention-4's CuTe DSL, Triton, inductor) persist in /tmp between the calls
+# of one machine, so a second call does not compile again (titan_upipe/tools/compile_caches.py;
+# a variable already set is kept). Not under .venv or the checkout: those travel with each call.
+eval "$("$py" titan_upipe/tools/compile_caches.py)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 exec "$py" -m titan_upipe.gpu_suite "$@"

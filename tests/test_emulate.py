@@ -5,6 +5,10 @@
 * The layer extrapolation and the analytic communication count, as pure functions; the
   extrapolation from 2 blocks against a measured 4-block model.
 * The CLI prints one JSON object with the documented keys.
+* Times (issue 41): the median warm step, the time extrapolation by hand and a 4-block model's
+  warm step against the 2-block extrapolation, the compile pass against the step's kernel
+  calls, the compile counters, a kernel compiling during the timed steps reported as such, no
+  ratio from cold steps.
 
 Fake runs go through the CLI in a fresh process: the fake default process group must not
 leak into other tests (the gloo ranks of ``dist_utils`` are their own processes).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -27,6 +32,8 @@ from titan_upipe.emulate import (
     StateBytes,
     StepCosts,
     StepPeaks,
+    StepSeries,
+    StepTimes,
     StepTracker,
     attention_comm_bytes,
     extrapolate_layers,
@@ -153,6 +160,10 @@ def test_cli_json_has_the_report_keys(emulated):
     assert record["attention_time_s"] > 0 and record["other_compute_time_s"] > 0
     assert record["modeled_step_time_s"] == pytest.approx(record["step_time_s"] + record["comm_time_s"])
     assert record["full"]["n_layers"] == record["n_layers"] == 2  # the debug flavor, not extrapolated
+    # one step (the default, for memory): nothing timed warm, no compile pass, said so
+    assert record["steps"] == 1 and record["warm"] is False and record["step_times_s"] == []
+    assert record["median_step_time_s"] is None and record["compile_s"] is None
+    assert record["kernel_compiles_during_timed_steps"] is None and record["second_a2a_gbps"] is None
 
 
 _EXTRAPOLATE = """
@@ -208,8 +219,7 @@ def test_extrapolate_layers_arithmetic():
                          layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=7),
         peaks=StepPeaks(phase_peak_bytes={"forward": 500, "backward": 700, "optimizer": 150},
                         retained_bytes_per_layer=50, host_offload_bytes=16, device_peak_allocated_bytes=2000),
-        costs=StepCosts(a2a_bytes=10, a2a_wire_bytes=8, comm_time_s=1.0, attention_time_s=2.0,
-                        other_compute_time_s=3.0),
+        costs=StepCosts(a2a_bytes=10, a2a_wire_bytes=8, comm_time_s=1.0),
     )
     # state: 40 fixed + 60 x 4 for the blocks
     assert (est.param_bytes, est.grad_bytes, est.optimizer_bytes) == (280, 280, 560)
@@ -220,8 +230,8 @@ def test_extrapolate_layers_arithmetic():
     assert est.peak_bytes == 1000 and est.total_peak_bytes == 847 + 1000
     assert est.device_peak_allocated_bytes == 2000 + (847 + 1000) - (100 + 200 + 7 + 700)
     assert est.host_offload_bytes == 64 and est.a2a_bytes == 40 and est.a2a_wire_bytes == 32
-    assert (est.comm_time_s, est.attention_time_s, est.other_compute_time_s) == (4.0, 8.0, 12.0)
-    assert est.modeled_step_time_s == 24.0
+    assert est.comm_time_s == 4.0 and est.step_time_s == 0.0 and est.modeled_step_time_s == 4.0
+    assert est.second_comm_time_s is None and est.second_modeled_step_time_s is None
     # Offloaded activations (nothing retained): gradients set the backward growth; nothing scales
     # when measuring the full depth.
     off = extrapolate_layers(n_measured=2, n_full=4,
@@ -243,6 +253,246 @@ def test_extrapolate_layers_arithmetic():
                            state=StateBytes(param_bytes=0, grad_bytes=0, optimizer_bytes=0, layer_param_bytes=0,
                                             layer_grad_bytes=0, layer_optimizer_bytes=0, buffer_bytes=0),
                            peaks=StepPeaks(phase_peak_bytes={}, retained_bytes_per_layer=0, host_offload_bytes=0))
+
+
+def test_step_time_extrapolation_by_hand():
+    """Only the blocks repeat: 2 measured blocks of 3 s each (6 s of a 10 s step), a 1 s optimizer
+    and 3 s for batch, embedding, head and loss. At 8 blocks: 3 + 8 x 3 + 1 x 2.8 (the parameter
+    bytes grow from 100 to 40 + 4 x 60 = 280) = 29.8 s; attention and communication scale by 4;
+    the second bandwidth's communication likewise."""
+    state = StateBytes(param_bytes=100, grad_bytes=100, optimizer_bytes=200, layer_param_bytes=60,
+                       layer_grad_bytes=60, layer_optimizer_bytes=120, buffer_bytes=0)
+    est = extrapolate_layers(n_measured=2, n_full=8, state=state,
+                             peaks=StepPeaks(phase_peak_bytes={"forward": 1}, retained_bytes_per_layer=0),
+                             costs=StepCosts(comm_time_s=1.0, second_comm_time_s=2.5),
+                             times=StepTimes(step_time_s=10.0, blocks_time_s=6.0, optimizer_time_s=1.0,
+                                             attention_time_s=4.0))
+    assert est.block_time_s == 3.0 and est.once_time_s == 3.0
+    assert est.optimizer_time_s == pytest.approx(2.8)
+    assert est.step_time_s == pytest.approx(3.0 + 8 * 3.0 + 2.8)
+    assert est.attention_time_s == 16.0 and est.other_compute_time_s == pytest.approx(29.8 - 16.0)
+    assert est.comm_time_s == 4.0 and est.modeled_step_time_s == pytest.approx(33.8)
+    assert est.second_comm_time_s == 10.0 and est.second_modeled_step_time_s == pytest.approx(39.8)
+    # the measured depth itself: the step as measured
+    same = extrapolate_layers(n_measured=2, n_full=2, state=state,
+                              peaks=StepPeaks(phase_peak_bytes={"forward": 1}, retained_bytes_per_layer=0),
+                              times=StepTimes(step_time_s=10.0, blocks_time_s=6.0, optimizer_time_s=1.0))
+    assert same.step_time_s == pytest.approx(10.0)
+
+
+class _Step:
+    def __init__(self, seconds: float):
+        self.step_time_s = seconds
+
+
+def test_the_reported_step_is_the_median_timed_step_and_one_step_is_not_warm():
+    series = StepSeries([_Step(s) for s in (9.0, 4.0, 6.0, 5.0, 7.0)], warmup_steps=1)
+    assert series.warm and series.step_times_s == [4.0, 6.0, 5.0, 7.0]
+    assert series.reported.step_time_s == 5.0 == series.median_step_time_s  # the lower middle of 4
+    assert series.first_step_time_s == 9.0
+    cold = StepSeries([_Step(9.0)], warmup_steps=1)
+    assert not cold.warm and cold.step_times_s == [] and cold.median_step_time_s is None
+    assert cold.reported.step_time_s == 9.0  # memory runs: the one step, reported as not warm
+    assert not StepSeries([_Step(9.0), _Step(4.0)], warmup_steps=0).warm  # the first step is timed
+
+
+_WARM_DEPTHS = """
+import json, sys
+from titan_upipe.emulate import measure_step
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
+job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "256"])
+out = {2: [], 4: []}
+for _ in range(int(sys.argv[1])):  # rounds of both depths, interleaved: the machine's load drifts
+    for n in (2, 4):
+        m = measure_step(job, 4, fake=True, n_layers=n, full_layers=4, steps=int(sys.argv[2]), warmup_steps=1)
+        out[n].append({"full": m.full.step_time_s, "median": m.median_step_time_s, "steps": m.step_times_s,
+                       "warm": m.warm, "compile_s": m.compile_s, "compiles": m.kernel_compiles, "block": m.block_time_s})
+print(json.dumps(out))
+"""
+
+
+def _spread(times: list[float]) -> float:
+    """The median absolute deviation of ``times`` relative to their median."""
+    median = statistics.median(times)
+    return statistics.median(abs(t - median) for t in times) / median
+
+
+def test_a_four_block_warm_step_is_the_two_block_extrapolation():
+    """The 2-block model's warm step extrapolated to 4 blocks (the blocks' mean x 4, the rest
+    once) against the 4-block model's warm step: medians over 3 interleaved rounds of 3 timed
+    steps each, within the noise of those steps (2 x the relative median absolute deviations of
+    all of them, at least 15 %: a shared 2-core machine)."""
+    proc = subprocess.run([sys.executable, "-c", _WARM_DEPTHS, "3", "4"], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    two, four = runs["2"], runs["4"]
+    assert all(r["warm"] and len(r["steps"]) == 3 and r["compiles"]["timed_steps"] == 0 for r in two + four)
+    assert all(r["compile_s"] is not None for r in two + four)
+    estimate = statistics.median(r["full"] for r in two)
+    measured = statistics.median(r["median"] for r in four)
+    noise = _spread([t for r in two for t in r["steps"]]) + _spread([t for r in four for t in r["steps"]])
+    tolerance = max(0.15, 2 * noise)
+    assert abs(estimate - measured) / measured <= tolerance, (estimate, measured, tolerance, runs)
+    block_2, block_4 = (statistics.median(r["block"] for r in runs) for runs in (two, four))
+    assert block_2 > 0 and abs(block_2 - block_4) / block_4 <= max(0.25, tolerance), (block_2, block_4, runs)
+
+
+_SABOTAGED_COMPILER = """
+import json
+from titan_upipe.attention import backends, kernel_compiles
+from titan_upipe.emulate import measure_step
+from titan_upipe.emulate.cli import report_lines
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
+
+cache = {}
+forward = backends.SdpaCpuKernels.forward
+
+
+def compiling_forward(self, q, k, v, scale, causal=True):
+    cache[len(cache)] = "kernel"  # a JIT whose cache never hits: a new kernel on every call
+    return forward(self, q, k, v, scale, causal)
+
+
+backends.SdpaCpuKernels.forward = compiling_forward
+kernel_compiles.COMPILE_COUNTERS["fake_jit"] = lambda: len(cache)
+job = parse_config(["--job.config_file", "configs/debug/upipe.toml", "--training.seq_len", "128"])
+m = measure_step(job, 4, fake=True, steps=3, warmup_steps=1)
+print(json.dumps({"record": m.to_dict(), "report": report_lines(m)}))
+"""
+
+
+def test_kernels_compiled_during_the_timed_steps_are_reported():
+    """A (fake) kernel that compiles at every call: the compile pass, the warm-up and the timed
+    steps each count theirs, and the report and the GPU suite's speed Markdown say plainly that
+    the timed steps include compilation."""
+    from titan_upipe.tools.gpu_context import add_speed_context
+    from titan_upipe.tools.gpu_reports import StageReport
+
+    proc = subprocess.run([sys.executable, "-c", _SABOTAGED_COMPILER], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    record = result["record"]
+    compiles = record["kernel_compiles"]
+    assert compiles["compile_pass"] > 0 and compiles["warmup_steps"] > 0, compiles
+    assert record["kernel_compiles_during_timed_steps"] == compiles["timed_steps"] > 0
+    assert any(line.startswith("  WARNING:") and "compiled during the timed steps" in line for line in result["report"])
+    speed = [{"name": "debug upipe", "method": "upipe", "length": "1M", "model": "llama3_8b", "ok": True,
+              "measurement": record}]
+    add_speed_context(speed)
+    text = "\n".join(StageReport("speed", {}, speed).markdown())
+    assert f"WARNING: {compiles['timed_steps']} kernel(s) compiled during the timed steps" in text, text
+
+
+_KERNEL_CALLS = """
+import json, sys
+from titan_upipe.attention import backends
+from titan_upipe.emulate import measure_step
+from titan_upipe.emulate import step as step_module
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
+
+calls, phase = [], ["compile pass"]
+forward, backward = backends.SdpaCpuKernels.forward, backends.SdpaCpuKernels.backward
+
+
+def logged_forward(self, q, k, v, scale, causal=True):
+    calls.append((phase[0], "forward", q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, str(q.dtype)))
+    return forward(self, q, k, v, scale, causal)
+
+
+def logged_backward(self, dout, q, k, v, out, lse, scale, causal=True):
+    calls.append((phase[0], "backward", q.shape[1], k.shape[1], q.shape[2], k.shape[2], causal, str(q.dtype)))
+    return backward(self, dout, q, k, v, out, lse, scale, causal)
+
+
+def marked_train_step(*args, _train_step=step_module.train_step, **kwargs):
+    phase[0] = "step"
+    return _train_step(*args, **kwargs)
+
+
+backends.SdpaCpuKernels.forward, backends.SdpaCpuKernels.backward = logged_forward, logged_backward
+step_module.train_step = marked_train_step
+out = {}
+for config, world in json.loads(sys.argv[1]):
+    calls.clear()
+    phase[0] = "compile pass"
+    measure_step(parse_config(["--job.config_file", config, "--training.seq_len", "256"]), world, fake=True,
+                 compile_pass=True)
+    out[config] = calls[:]
+print(json.dumps(out))
+"""
+
+
+def test_the_compile_pass_makes_every_kernel_call_of_the_step():
+    """What a first call compiles is keyed by the call's heads, lengths, causality and dtype (and
+    choices derived from the lengths): the compile pass calls the kernel forward and backward
+    with every combination the step does, for UPipe, Ulysses, USP (the ring's blocks), the
+    transforms config and TSP (whose full-attention calls over the key
+    prefixes differ only in the prefix's length, of which the pass makes one)."""
+    configs = [("configs/debug/upipe.toml", 4), ("configs/debug/ulysses.toml", 4), ("configs/debug/usp.toml", 4),
+               ("configs/debug/llama3_upipe_transforms.toml", 2), (TSP, 4)]
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CALLS, json.dumps(configs)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for config, calls in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        made = {tuple(c[1:]) for c in calls if c[0] == "compile pass"}
+        stepped = {tuple(c[1:]) for c in calls if c[0] == "step"}
+        assert made and stepped, config
+        if config == TSP:  # the prefixes' lengths aside
+            made, stepped = ({c[:4] + c[5:] for c in calls_} for calls_ in (made, stepped))
+        assert stepped <= made, (config, sorted(stepped - made))
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_summarize_computes_no_ratio_from_cold_steps(tmp_path, warm):
+    """``--summarize``'s UPipe / Ulysses ratio comes from warm steps only; a cold step's time is
+    marked and the table says why."""
+    from titan_upipe.emulate.cli import summarize
+
+    full = {"n_layers": 32, "device_peak_allocated_bytes": 2**34, "device_peak_reserved_bytes": 2**35,
+            "total_peak_bytes": 2**34, "comm_time_s": 1.5}
+    paths = []
+    for method, step in (("ulysses", 300.0), ("upipe", 310.0)):
+        record = {"cp_mode": method, "seq_len": 2**20, "n_layers": 2, "oom": False, "warm": warm,
+                  "full": {**full, "modeled_step_time_s": step}}
+        paths.append(tmp_path / f"{method}.json")
+        paths[-1].write_text(json.dumps(record) + "\n")
+    text = "\n".join(summarize([str(p) for p in paths], str(REPO / "titan_upipe/resources/paper_tables.csv")))
+    assert ("| 1M | 1.033 | 1.005 |" in text) == warm, text
+    assert ("310.00 (cold)" in text and "no ratio is computed" in text) == (not warm), text
+
+
+def test_kernel_compile_counters():
+    """torch.compile's graphs (dynamo's counter) and FlashAttention-4's JIT caches (a stand-in
+    module laid out as 4.0.0b36's ``flash_attn.cute.interface``) are counted; a module without
+    those caches is unknowable (None)."""
+    import types
+
+    from titan_upipe.attention import kernel_compiles
+
+    before = kernel_compiles.compiled_kernels()
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    assert kernel_compiles.compiles_between(before, kernel_compiles.compiled_kernels()) == 1
+
+    class JITCache:
+        def __init__(self):
+            self.cache = {}
+
+    def fwd():
+        pass
+
+    fwd.compile_cache = JITCache()
+    fa4 = types.ModuleType(kernel_compiles.FA4_MODULE)
+    fa4._flash_attn_fwd = fwd
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, kernel_compiles.FA4_MODULE, fa4)
+        before = kernel_compiles.compiled_kernels()
+        fwd.compile_cache.cache[("bf16", 128, True)] = object()
+        assert kernel_compiles.compiles_between(before, kernel_compiles.compiled_kernels()) == 1
+        del fa4._flash_attn_fwd
+        assert kernel_compiles.flash_attn4_kernels() is None
+        assert kernel_compiles.compiles_between(before, kernel_compiles.compiled_kernels()) is None
 
 
 def test_attention_comm_bytes_by_hand():

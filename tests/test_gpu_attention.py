@@ -1,14 +1,13 @@
-"""The GPU suite's attention stage, the measured kernel table and the GPU queue, on a CPU machine:
-the FLOP counts against torch's own FLOP counter, the stage end to end on the CPU kernel (its
-numbers recomputed from its times), a backend failing its contract reported and left out of the
-order, the order ``auto`` takes from the table, the run-time estimates, and ``--next``'s queue
-with its reports as its state."""
+"""The GPU suite's attention stage and the measured kernel table, on a CPU machine: the FLOP counts
+against torch's own FLOP counter, the stage end to end on the CPU kernel (its numbers recomputed
+from its times), a backend failing its contract reported and left out of the order, the table
+applied by GPU architecture (sm90: H100 and H200 alike), unmeasured backends placed by the
+architecture's default order, scores of the job's head_dim and dtype, and the rates a plan divides
+FLOPs by (``kernel_speed.attention_rate``). The GPU queue and the run estimates: test_gpu_queue.py."""
 
 from __future__ import annotations
 
-import json
 import math
-import time
 
 import pytest
 import torch
@@ -17,6 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from titan_upipe.attention import kernel_speed
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, SdpaBackend
 from titan_upipe.tools import gpu_attention, gpu_queue, gpu_suite
+
+H100, H100_PCIE, H200, A100 = ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                 "NVIDIA A100-SXM4-80GB")
 
 # --- FLOPs and the document mix ----------------------------------------------------------------
 
@@ -85,172 +87,204 @@ def test_a_backend_failing_its_contract_is_not_timed_and_leaves_auto(monkeypatch
     results = gpu_attention.run_attention_stage("cpu")
     sdpa = [r for r in results if r["backend"] == "sdpa"]
     assert len(sdpa) == 1 and not sdpa[0]["ok"] and sdpa[0]["contract"].startswith("failed")
-    rows = gpu_attention.csv_rows(results, {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-25"})
-    assert [(r["backend"], r["contract"][:6]) for r in rows] == [("sdpa", "failed")]
+    rows = gpu_attention.csv_rows(results, {"device": H100, "date": "2026-11-25"})
+    assert [(r["backend"], r["contract"][:6], r["arch"]) for r in rows] == [("sdpa", "failed", "sm90")]
     path = tmp_path / "kernel_speed.csv"
-    kernel_speed.write_rows([_row("sdpa", 300.0), _row("cudnn", 600.0)], "NVIDIA H100 80GB HBM3", path)
-    kernel_speed.write_rows(rows, "NVIDIA H100 80GB HBM3", path)
-    order = kernel_speed.measured_order("NVIDIA H100 80GB HBM3", AUTO_ORDER, kernel_speed.read_rows(path))
-    assert "sdpa" not in order and order[0] == "cudnn"
+    kernel_speed.write_rows([_row("sdpa", 300.0, H100), _row("cudnn", 600.0, H100)], H100, path)
+    kernel_speed.write_rows(rows, H100, path)
+    order = kernel_speed.measured_order("sm90", AUTO_ORDER, kernel_speed.read_rows(path))
+    assert "sdpa" not in order and order[0] == "flash_attn4"  # FA4 unmeasured, first by the sm90 default
+    assert order.index("cudnn") < order.index("flash_attn")
 
 
-# --- the measured order, the estimates -------------------------------------------------------------
-
-H100 = "NVIDIA H100 80GB HBM3"
+# --- the table by architecture, auto's order, the rates ----------------------------------------------
 
 
-def _row(backend: str, tflops: float, device: str = H100, length: str = "1M", tokens: int = 1 << 20,
-         contract: str = "ok", shape: str = "llama3_8b") -> dict:
-    fwd, bwd = gpu_attention.causal_flops([tokens], 4, 128)
-    seconds = (fwd + bwd) / (tflops * 1e12)
-    return {"device": device, "date": "2026-11-25", "torch": "2.11.0+cu130", "backend": backend, "shape": shape,
-            "q_heads": "4", "kv_heads": "1", "head_dim": "128", "length": length, "tokens": str(tokens), "kind": "dense",
-            "contract": contract, "fwd_ms": str(seconds * 1e3 * fwd / (fwd + bwd)),
-            "bwd_ms": str(seconds * 1e3 * bwd / (fwd + bwd)), "fwd_tflops": str(tflops / 2),
-            "bwd_tflops": str(tflops / 2)}
+def _row(backend: str, tflops: float, device: str = H200, length: str = "1M", tokens: int = 1 << 20,
+         contract: str = "ok", shape: str = "llama3_8b", head_dim: int = 128, dtype: str = "bf16",
+         fwd_share: float = 0.5) -> dict:
+    """A dense row whose fwd + bwd TFLOP/s is ``tflops`` (``fwd_share`` of it forward)."""
+    fwd, bwd = kernel_speed.causal_flops([tokens], 4, head_dim)
+    fwd_tflops, bwd_tflops = tflops * fwd_share, tflops * (1 - fwd_share)
+    return {"device": device, "arch": kernel_speed.arch_of_device(device) or "", "date": "2026-11-25",
+            "torch": "2.11.0+cu130", "backend": backend, "shape": shape, "q_heads": "4", "kv_heads": "1",
+            "head_dim": str(head_dim), "dtype": dtype, "length": length, "tokens": str(tokens), "kind": "dense",
+            "contract": contract, "fwd_ms": str(fwd / fwd_tflops / 1e9), "bwd_ms": str(bwd / bwd_tflops / 1e9),
+            "fwd_tflops": str(fwd_tflops), "bwd_tflops": str(bwd_tflops)}
 
 
-def test_auto_order_is_the_measured_ranking_on_that_gpu_only():
-    rows = [_row("sdpa", 250), _row("flash_attn4", 500), _row("cudnn", 600),
-            _row("cudnn", 100, device="NVIDIA H200"), _row("flash_attn", 900, contract="failed worst dq")]
-    assert kernel_speed.measured_order(H100, AUTO_ORDER, rows) == ("cudnn", "flash_attn4", "sdpa", "flash_attn3")
-    assert kernel_speed.measured_order("NVIDIA A100", AUTO_ORDER, rows) == AUTO_ORDER  # nothing measured there
-    assert kernel_speed.measured_order(None, AUTO_ORDER, rows) == AUTO_ORDER
-    # geometric mean over lengths: a backend fast at one length only does not win on it alone
-    rows += [_row("sdpa", 1000, length="128K", tokens=128 << 10), _row("cudnn", 400, length="128K", tokens=128 << 10)]
-    assert kernel_speed.scores(rows, H100)["sdpa"] == pytest.approx(math.sqrt(250 * 1000))
-
-
-def test_auto_takes_the_order_measured_on_the_gpu_it_runs_on(monkeypatch):
-    """``choose_backend("auto")`` on an H100 with measurements: the fastest there that runs the job
-    (cuDNN has no varlen kernel: packed documents pass it over); before process groups
-    (``probe=False``: no CUDA query) and on another GPU, the documented default order."""
+def _pretend_gpu(monkeypatch, name: str, capability: tuple[int, int], rows: list[dict],
+                 usable: tuple[str, ...] = ("flash_attn4", "cudnn")) -> None:
+    """A CUDA device of ``name`` and ``capability`` with ``rows`` as the shipped table; the backends
+    of ``usable`` installed (the rest as they are here: flash_attn/flash_attn3 not installed)."""
     from titan_upipe.attention import backends
 
-    rows = [_row("sdpa", 250), _row("flash_attn4", 500), _row("cudnn", 600)]
     monkeypatch.setattr(kernel_speed, "read_rows", lambda path=None: rows)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: H100)
-    for name in ("flash_attn4", "cudnn"):
-        monkeypatch.setattr(BACKENDS[name], "unavailable_reason", classmethod(lambda cls, probe=True: None))
-    assert backends.auto_order() == ("cudnn", "flash_attn4", "sdpa", "flash_attn3", "flash_attn")
-    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "cudnn"
-    documents = backends.choose_backend("auto", torch.bfloat16, head_dim=128, varlen=True)
-    assert documents.name == "flash_attn4" and "no varlen" in dict(documents.passed_over)["cudnn"]
-    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128, probe=False).name == "flash_attn4"
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    for backend in usable:
+        monkeypatch.setattr(backends.BACKENDS[backend], "unavailable_reason", classmethod(lambda cls, probe=True: None))
+
+
+def test_a_gpus_architecture_is_its_compute_capability():
+    """H100 SXM, H100 PCIe and H200 are one architecture (sm90), the A100 another (sm80)."""
+    assert {kernel_speed.arch_of_device(name) for name in (H100, H100_PCIE, H200, "NVIDIA GH200 480GB")} == {"sm90"}
+    assert kernel_speed.arch_of_device(A100) == "sm80" and kernel_speed.arch_of_device("NVIDIA A10") == "sm86"
+    assert kernel_speed.arch_of_device("a GPU nothing knows") is None
+    assert kernel_speed.arch_of_capability((9, 0)) == "sm90" and kernel_speed.arch_of_capability((10, 0)) == "sm100"
+    assert kernel_speed.capability_of_arch("sm100") == (10, 0) and kernel_speed.capability_of_arch("sm86") == (8, 6)
+    with pytest.raises(ValueError, match="not a GPU architecture"):
+        kernel_speed.capability_of_arch(H100)
+
+
+def test_an_h100_runs_by_the_h200s_rows(monkeypatch):
+    """Rows measured on an H200 rank the kernels of every sm90 GPU: an H100 (SXM or PCIe) without
+    FlashAttention-4 gets cuDNN attention (564 vs 332 TFLOP/s forward on the H200), not SDPA."""
+    from titan_upipe.attention import backends
+
+    rows = [_row("flash_attn4", 1290), _row("cudnn", 1100), _row("sdpa", 650)]
+    by_h100 = kernel_speed.measured_order(kernel_speed.arch_of_device(H100), AUTO_ORDER, rows)
+    by_h200 = kernel_speed.measured_order(kernel_speed.arch_of_device(H200), AUTO_ORDER, rows)
+    assert by_h100 == by_h200 == ("flash_attn4", "flash_attn3", "cudnn", "flash_attn", "sdpa")
+    for name in (H100, H100_PCIE):
+        _pretend_gpu(monkeypatch, name, (9, 0), rows, usable=("cudnn",))
+        choice = backends.choose_backend("auto", torch.bfloat16, head_dim=128)
+        assert choice.name == "cudnn" and [n for n, _ in choice.passed_over] == ["flash_attn4", "flash_attn3"]
+    _pretend_gpu(monkeypatch, H100, (9, 0), rows)  # with FA4 installed
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "flash_attn4"
+
+
+def test_an_a100_takes_its_own_default_order(monkeypatch):
+    """sm90 rows say nothing about an sm80 GPU: the A100 keeps the pre-Hopper default (cuDNN last,
+    unmeasured there), and an A100 row of its own ranks it."""
+    from titan_upipe.attention import backends
+
+    rows = [_row("cudnn", 1100), _row("sdpa", 650)]
+    assert kernel_speed.measured_order("sm80", AUTO_ORDER, rows) == AUTO_ORDER
+    _pretend_gpu(monkeypatch, A100, (8, 0), rows, usable=("cudnn",))
     assert backends.auto_order() == AUTO_ORDER
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "sdpa"
+    rows.append(_row("cudnn", 500, A100))
+    rows.append(_row("sdpa", 300, A100))
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "cudnn"
+    assert backends.auto_order(probe=False) == AUTO_ORDER  # no CUDA query: the documented default
+
+
+def test_unmeasured_backends_keep_their_place_in_the_default_order():
+    """Measured backends rank by score; each unmeasured one goes where it breaks the fewest of the
+    architecture's default claims about it (the lower place on a tie); a failed contract leaves the
+    order."""
+    hopper = kernel_speed.HOPPER_ORDER
+    assert hopper == ("flash_attn4", "flash_attn3", "cudnn", "flash_attn", "sdpa")
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, []) == hopper  # nothing measured: the default
+    assert kernel_speed.measured_order("sm100", AUTO_ORDER, []) == hopper  # sm90 and newer
+    assert kernel_speed.measured_order("sm89", AUTO_ORDER, []) == AUTO_ORDER
+    only_sdpa = [_row("sdpa", 650)]
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, only_sdpa) == hopper  # not behind SDPA
+    # measurements against the default: FA3 (faster than cuDNN and SDPA by the default, slower than
+    # FA4) leads, one claim broken; FA2 (slower than FA4 and cuDNN, faster than SDPA) goes last
+    upside_down = [_row("sdpa", 1300), _row("cudnn", 1100), _row("flash_attn4", 600)]
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, upside_down) == (
+        "flash_attn3", "sdpa", "cudnn", "flash_attn4", "flash_attn")
+    failed = [*upside_down, _row("cudnn", 0.1, contract="failed dq")]
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, failed) == ("sdpa", "flash_attn4", "flash_attn3",
+                                                                       "flash_attn")
+    assert kernel_speed.merge_order(("a", "b", "c", "d"), {"d": 1.0, "b": 2.0}) == ("a", "b", "c", "d")
+    assert kernel_speed.merge_order(("a", "b", "c", "d"), {"d": 3.0, "b": 2.0}) == ("a", "d", "b", "c")  # c: a tie
+    assert kernel_speed.merge_order(("a", "b", "c"), {"a": 1.0, "b": 2.0}) == ("b", "a", "c")
+    # the candidates a caller passes (tests narrow AUTO_ORDER) keep the architecture's ranking of them
+    assert kernel_speed.measured_order("sm90", ("sdpa", "cudnn"), []) == ("cudnn", "sdpa")
+
+
+def test_geometric_mean_over_lengths_and_shapes():
+    """A backend fast at one length only does not win on it alone."""
+    rows = [_row("sdpa", 250), _row("cudnn", 600), _row("sdpa", 1000, length="128K", tokens=128 << 10),
+            _row("cudnn", 400, length="128K", tokens=128 << 10, shape="qwen3_32b")]
+    assert kernel_speed.scores(rows, "sm90")["sdpa"] == pytest.approx(math.sqrt(250 * 1000))
+    assert kernel_speed.scores(rows, "sm90")["cudnn"] == pytest.approx(math.sqrt(600 * 400))
+    assert kernel_speed.scores(rows, "sm80") == {}
+
+
+def test_a_job_is_ranked_by_the_rows_of_its_head_dim_and_dtype(monkeypatch):
+    """Rows of the job's head_dim and dtype where the architecture has any, else all of them."""
+    from titan_upipe.attention import backends
+
+    rows = [_row("flash_attn4", 1300), _row("cudnn", 1100), _row("sdpa", 650),
+            _row("flash_attn4", 700, head_dim=64), _row("cudnn", 900, head_dim=64),
+            _row("sdpa", 2000, dtype="fp16")]
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, rows, 128, torch.bfloat16)[0] == "flash_attn4"
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, rows, 64, "bf16")[:3] == ("cudnn", "flash_attn4",
+                                                                                     "flash_attn3")
+    # fp16: only SDPA measured in it, at a rate bf16 rows do not enter; the rest by the default
+    assert kernel_speed.scores(rows, "sm90", 128, torch.float16) == {"sdpa": pytest.approx(2000)}
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, rows, 128, torch.float16) == kernel_speed.HOPPER_ORDER
+    # head_dim 256: nothing measured at it on sm90, so every sm90 row
+    assert kernel_speed.scores(rows, "sm90", 256, "bf16") == kernel_speed.scores(rows, "sm90")
+    _pretend_gpu(monkeypatch, H100, (9, 0), rows)
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=64).name == "cudnn"
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "flash_attn4"
+    assert kernel_speed.dtype_name(torch.bfloat16) == kernel_speed.dtype_name("bfloat16") == "bf16"
+
+
+def test_attention_rate_measured_ranked_or_assumed():
+    """``attention_rate``: a measured backend's own fwd/bwd geometric means; an unmeasured one at the
+    rates of the measured backend right after it in the order; else the deliberately low assumption."""
+    rows = [_row("flash_attn4", 1300, fwd_share=0.52), _row("flash_attn4", 1200, fwd_share=0.52, shape="qwen3_32b"),
+            _row("cudnn", 1100), _row("sdpa", 650)]
+    fa4 = kernel_speed.attention_rate("flash_attn4", "sm90", 128, "bf16", rows)
+    assert fa4.basis == "measured"
+    assert fa4.fwd_tflops == pytest.approx(math.sqrt(1300 * 0.52 * 1200 * 0.52))
+    assert fa4.bwd_tflops == pytest.approx(math.sqrt(1300 * 0.48 * 1200 * 0.48))
+    fa3 = kernel_speed.attention_rate("flash_attn3", "sm90", 128, "bf16", rows)  # after FA4, above cuDNN
+    assert fa3.basis == "ranked below cudnn" and fa3.fwd_tflops == pytest.approx(550)
+    fa2 = kernel_speed.attention_rate("flash_attn", "sm90", 128, "bf16", rows)
+    assert fa2.basis == "ranked below sdpa" and fa2.bwd_tflops == pytest.approx(325)
+    last = kernel_speed.attention_rate("sdpa", "sm90", 128, "bf16", rows[:1])  # nothing measured after it
+    assert last.basis == "assumed" and last.fwd_tflops == kernel_speed.ASSUMED_TFLOPS
+    assert kernel_speed.attention_rate("cudnn", "sm80", 128, "bf16", rows).basis == "assumed"
+    assert kernel_speed.attention_rate("cudnn", None, 128, "bf16", rows).arch == "sm90"  # the newest measured
+    fwd, bwd = kernel_speed.causal_flops([1 << 20], 4, 128)
+    assert fa4.seconds(fwd, bwd, forwards=2) == pytest.approx(2 * fwd / (fa4.fwd_tflops * 1e12)
+                                                              + bwd / (fa4.bwd_tflops * 1e12))
+
+
+def test_the_shipped_table_is_the_h200s_and_ranks_cudnn_above_sdpa(monkeypatch):
+    """``titan_upipe/resources/kernel_speed.csv`` holds the H200 run of 2026-11-27 (bf16, head_dim
+    128, 128K), the rows of every sm90 GPU; cuDNN's measured 564 / 539 TFLOP/s put it second, so an
+    H100 without FlashAttention-4 runs cuDNN attention, not SDPA."""
+    from titan_upipe.attention import backends
+
+    rows = kernel_speed.read_rows()
+    _pretend_gpu(monkeypatch, H100, (9, 0), rows, usable=("cudnn",))
+    assert backends.choose_backend("auto", torch.bfloat16, head_dim=128).name == "cudnn"
+    assert {(r["device"], r["arch"], r["dtype"], r["head_dim"], r["date"]) for r in rows} == {
+        (H200, "sm90", "bf16", "128", "2026-11-27")}
+    assert kernel_speed.latest_arch(rows) == "sm90"
+    assert kernel_speed.measured_order("sm90", AUTO_ORDER, rows) == kernel_speed.HOPPER_ORDER
+    cudnn = kernel_speed.attention_rate("cudnn", "sm90", 128, "bf16", rows)
+    assert cudnn.basis == "measured" and cudnn.fwd_tflops == pytest.approx(math.sqrt(564 * 557.4))
+
+
+def test_rows_written_before_the_architecture_column_read_by_their_device(tmp_path):
+    path = tmp_path / "kernel_speed.csv"
+    legacy = [c for c in kernel_speed.COLUMNS if c not in ("arch", "dtype")]
+    row = _row("cudnn", 1100, H100)
+    path.write_text(",".join(legacy) + "\n" + ",".join(row[c] for c in legacy) + "\n")
+    read, = kernel_speed.read_rows(path)
+    assert read["arch"] == "sm90" and read["dtype"] == "bf16"
 
 
 def test_a_later_stage_replaces_only_the_cases_it_measured():
-    old = [_row("sdpa", 250), _row("sdpa", 300, length="128K", tokens=128 << 10), _row("cudnn", 600),
-           _row("cudnn", 50, device="NVIDIA H200")]
-    merged = kernel_speed.merge_rows(old, [_row("sdpa", 260)], H100)
+    old = [_row("sdpa", 250, H100), _row("sdpa", 300, H100, length="128K", tokens=128 << 10),
+           _row("cudnn", 600, H100), _row("cudnn", 50)]
+    merged = kernel_speed.merge_rows(old, [_row("sdpa", 260, H100)], H100)
     assert sorted((r["backend"], r["length"], r["fwd_tflops"]) for r in merged if r["device"] == H100) == [
         ("cudnn", "1M", "300.0"), ("sdpa", "128K", "150.0"), ("sdpa", "1M", "130.0")]
-    failed = kernel_speed.merge_rows(old, [{"device": H100, "backend": "cudnn", "contract": "failed x", "kind": "dense"}],
-                                     H100)
+    failed = kernel_speed.merge_rows(old, [{"device": H100, "arch": "sm90", "backend": "cudnn", "contract": "failed x",
+                                            "kind": "dense"}], H100)
     assert [r["contract"] for r in failed if r["backend"] == "cudnn" and r["device"] == H100] == ["failed x"]
-    assert any(r["device"] == "NVIDIA H200" for r in failed)
-
-
-def test_run_estimates_scale_with_the_measured_kernel():
-    assert gpu_attention.kernel_slowdown(rows=[]) == gpu_attention.SDPA_SLOWDOWN
-    rows = [_row("sdpa", 250), _row("cudnn", 500)]
-    assert gpu_attention.kernel_slowdown(H100, rows) == pytest.approx(gpu_attention.SDPA_SLOWDOWN * 250 / 500)
-    assert gpu_attention.kernel_slowdown(H100, [_row("cudnn", 500)]) == gpu_attention.SDPA_SLOWDOWN  # no SDPA anchor
-    fast = gpu_suite.run_estimate_s("2M", slowdown=1.0)
-    slow = gpu_suite.run_estimate_s("2M", slowdown=2.0)
-    assert slow - gpu_suite.STARTUP_S == pytest.approx(2 * (fast - gpu_suite.STARTUP_S))
-
-
-# --- the queue ----------------------------------------------------------------------------------------
-
-
-def _queue(fastest: str = "cudnn") -> list:
-    return gpu_queue.build_queue(lambda stage, lengths, select: 100.0, fastest, AUTO_ORDER)
-
-
-def _report(stage: str, results: list[dict], **env) -> dict:
-    return {"stage": stage, "environment": env, "results": results}
-
-
-def test_the_queue_starts_with_the_kernels_and_is_judged_by_the_reports():
-    items = _queue()
-    assert [i.name for i in items][:3] == ["kernels", "attention 128K", "attention 1M"]
-    assert [i.name for i in items][-3:] == ["attention 2M", "ring_documents 128K", "ring_documents 1M"]
-    # the committed 2026-11-23 kernels report has no cudnn contract: not done
-    committed = gpu_queue.load_reports([gpu_suite.REPORT_DIR])
-    assert not items[0].done(committed)
-    contracts = [{"check": "contract", "case": f"{b} bf16 causal", "ok": True} for b in ("sdpa", "cudnn")]
-    contracts.append({"check": "contract", "case": "flash_attn4", "ok": True, "skipped": True})
-    assert items[0].done([_report("kernels", contracts)])
-    attention = [{"backend": b, "skipped": True, "ok": True} for b in AUTO_ORDER if b not in ("sdpa", "cudnn")]
-    attention.append({"backend": "cudnn", "ok": False, "contract": "failed bf16 causal"})  # reported: done
-    llama = {"backend": "sdpa", "shape": "llama3_8b", "length": "128K", "kind": "dense", "fwd_ms": 1.0}
-    # a call cut short after one shape is not done: the other shape of that length is still owed
-    assert not items[1].done([_report("attention", [*attention, llama])])
-    qwen = {**llama, "shape": "qwen3_32b", "fwd_ms": None, "ok": False, "error": "RuntimeError: x"}  # failed: reported
-    assert items[1].done([_report("attention", [*attention, llama, qwen])])
-    assert not items[2].done([_report("attention", [*attention, llama, qwen])])
-
-
-def test_speed_is_done_only_with_the_fastest_backend():
-    speed = [{"method": m, "length": "1M", "measurement": {"x": 1}} for m in ("ulysses", "upipe")]
-    item = next(i for i in _queue("cudnn") if i.name.startswith("speed 1M"))
-    assert not item.done([_report("speed", speed, attention_backend="sdpa")])
-    assert item.done([_report("speed", speed, attention_backend="cudnn")])
-
-
-def test_next_takes_the_first_pending_item_that_fits_and_never_retries_one():
-    items = gpu_queue.build_queue(lambda stage, lengths, select: 900.0 if "5M" in lengths else 50.0, "cudnn",
-                                  AUTO_ORDER)
-    first = gpu_queue.next_item(items, [], 540, set())
-    assert first.name == "kernels"
-    memory_5m = next(i for i in items if i.name == "memory llama3_8b upipe 5M")
-    attempted = {i.name for i in items[: items.index(memory_5m)]}
-    after = gpu_queue.next_item(items, [], 540, attempted)
-    assert after.name == "memory qwen3_32b upipe_8gpu 2.5M"  # 5M does not fit a 10-minute call: passed over
-    assert gpu_queue.next_item(items, [], 10, set()) is None
-
-
-def test_next_runs_children_until_nothing_fits(monkeypatch, tmp_path):
-    """``--next`` on a GPU: each item a child call of the suite with what is left of the budget; a
-    child that writes its report moves the queue on."""
-    calls = []
-
-    class Done:
-        returncode = 0
-
-    def fake_run(cmd, **kwargs):
-        calls.append(cmd)
-        stage = cmd[cmd.index("--stage") + 1]
-        if stage == "kernels":
-            results = [{"check": "contract", "case": f"{b} x", "ok": True} for b in gpu_queue.KERNEL_BACKENDS]
-            (tmp_path / "kernels.json").write_text(json.dumps(_report("kernels", results)))
-        return Done()
-
-    monkeypatch.setattr(gpu_suite.subprocess, "run", fake_run)
-    monkeypatch.setattr(gpu_suite, "REPORT_DIR", tmp_path / "committed")
-    monkeypatch.setattr(gpu_suite, "call_estimate_s", lambda stage, lengths, select: 200.0)
-    args = gpu_suite.parse_args(["--next", "--out", str(tmp_path), "--budget-s", "500"])
-    assert gpu_suite.run_next(args, time.monotonic() + 500) == 0
-    stages = [c[c.index("--stage") + 1] for c in calls]
-    assert stages[0] == "kernels" and len(calls) == len(_queue())  # each pending item tried once
-    assert all(float(c[c.index("--budget-s") + 1]) <= 500 and c[c.index("--out") + 1] == str(tmp_path)
-               for c in calls)
-
-
-def test_next_is_refused_with_a_stage(capsys):
-    with pytest.raises(SystemExit):
-        gpu_suite.parse_args(["--next", "--stage", "memory"])
-    assert "--next picks its own stages" in capsys.readouterr().err
-
-
-def test_dry_run_prints_the_queue(capsys, tmp_path):
-    assert gpu_suite.main(["--dry-run", "--next", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "GPU queue (" in out and "pending" in out and "attention 128K" in out and "stage attention:" in out
+    assert any(r["device"] == H200 for r in failed)
 
 
 def test_a_case_that_raises_is_reported_and_the_stage_goes_on(monkeypatch):
@@ -280,7 +314,7 @@ def test_one_backends_crashing_contract_does_not_hide_the_others(monkeypatch):
     assert {r["case"].split()[0] for r in results} == set(AUTO_ORDER)  # every backend has its verdict
     sdpa = [r for r in results if r["case"] == "sdpa"]
     assert len(sdpa) == 1 and not sdpa[0]["ok"] and "kernel crashed" in sdpa[0]["detail"]
-    assert gpu_queue.kernels_done([_report("kernels", results)])  # the queue moves on
+    assert gpu_queue.kernels_done([{"stage": "kernels", "environment": {}, "results": results}])  # the queue moves on
 
 
 def test_attention_lengths_must_be_the_stages(capsys):
@@ -291,8 +325,9 @@ def test_attention_lengths_must_be_the_stages(capsys):
 
 
 def test_a_backend_passing_again_loses_its_old_failure_even_untimed():
-    old = [{**_row("sdpa", 250), "backend": "cudnn", "contract": "failed bf16", "fwd_ms": "", "fwd_tflops": ""},
-           _row("sdpa", 250)]
+    old = [{**_row("sdpa", 250, H100), "backend": "cudnn", "contract": "failed bf16", "fwd_ms": "", "fwd_tflops": ""},
+           _row("sdpa", 250, H100)]
+    assert "cudnn" not in kernel_speed.measured_order("sm90", AUTO_ORDER, old)
     merged = kernel_speed.merge_rows(old, [], H100, passed={"cudnn"})
     assert [r["backend"] for r in merged] == ["sdpa"]
-    assert kernel_speed.measured_order(H100, AUTO_ORDER, merged)[:2] == ("sdpa", "flash_attn4")
+    assert "cudnn" in kernel_speed.measured_order("sm90", AUTO_ORDER, merged)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titan_upipe.attention.backends import SdpaCpuKernels
-from titan_upipe.tools import gpu_reports, gpu_suite, gpu_wheels
+from titan_upipe.tools import gpu_reports, gpu_runs, gpu_suite, gpu_wheels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,18 +73,16 @@ def test_memory_plan_covers_the_issue():
 
 
 def test_the_queue_runs_qwen3_32b_on_one_node_after_the_llama3_memory_lengths():
-    """Issue 34: item 5 of the queue is the memory stage on the 2.5M one-node Qwen3-32B recipe, right
-    after the Llama3-8B memory lengths (item 4) and before the 16-GPU Qwen3-32B ones; its child call's
-    arguments parse, and the module docstring's table says the same."""
+    """Issue 34: the memory stage on the 2.5M one-node Qwen3-32B recipe comes right after the
+    Llama3-8B memory lengths and before the 16-GPU Qwen3-32B ones (item 6; the whole order:
+    tests/test_gpu_queue.py); its child call's arguments parse, and the module docstring's table
+    says the same."""
     from titan_upipe.tools import gpu_queue
 
     names = [i.name for i in gpu_queue.build_queue(lambda stage, lengths, select: 100.0, "sdpa", ("sdpa",))]
-    assert names == ["kernels", "attention 128K", "attention 1M", "speed 128K (sdpa)", "speed 1M (sdpa)",
-                     "speed 2M (sdpa)", "memory llama3_8b upipe 3M", "memory llama3_8b upipe 4M",
-                     "memory llama3_8b upipe 5M", "memory qwen3_32b upipe_8gpu 2.5M",
-                     *(f"memory qwen3_32b upipe_usp {x}" for x in ("1M", "2M", "3M", "4M")),
-                     "tsp llama3_8b 128K", "tsp llama3_8b 1M", "tsp llama3_8b 2M", "attention 2M",
-                     "ring_documents 128K", "ring_documents 1M"]
+    one_node = names.index("memory qwen3_32b upipe_8gpu 2.5M")
+    assert names[one_node - 1] == "memory llama3_8b upipe 5M"
+    assert names[one_node + 1:one_node + 5] == [f"memory qwen3_32b upipe_usp {x}" for x in ("1M", "2M", "3M", "4M")]
     items = gpu_queue.build_queue(lambda stage, lengths, select: 100.0, "sdpa", ("sdpa",))
     item = next(i for i in items if i.name == "memory qwen3_32b upipe_8gpu 2.5M")
     assert item.argv == ("--stage", "memory", "--lengths", "2.5M", "--select", "qwen3_32b upipe_8gpu")
@@ -95,8 +93,8 @@ def test_the_queue_runs_qwen3_32b_on_one_node_after_the_llama3_memory_lengths():
     assert not item.done([{"stage": "memory", "environment": {}, "results": [{**run, "measurement": None}]}])
     rows = [line.split(None, 1) for line in gpu_queue.__doc__.splitlines() if line[:1].isdigit()]
     assert [n for n, _ in rows] == [str(i) for i in range(1, 10)]
-    assert rows[3][1].startswith("``memory`` Llama3-8B UPipe 3M, 4M, 5M") and "2.5M" in rows[4][1]
-    assert "Qwen3-32B UPipe C=8 on one node" in rows[4][1] and "UPipe-in-USP" in rows[5][1]
+    assert rows[5][1].startswith("``memory`` Llama3-8B UPipe 5M; Qwen3-32B UPipe C=8") and "on one node, 2.5M" in \
+        gpu_queue.__doc__
 
 
 def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch, capsys):
@@ -115,11 +113,12 @@ def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch
     assert [r.name for r in runs] == ["qwen3_32b upipe_8gpu 2.5M"]
     run = runs[0]
     assert run.argv[1:] == ("-m", "titan_upipe.emulate", "--job.config_file", "configs/qwen3_32b/upipe_8gpu_2_5m.toml",
-                            "--cp-world", "8", "--n-layers", "2", "--json", "--activation_checkpoint.resident_blocks", "0")
+                            "--cp-world", "8", "--n-layers", "2", "--json", "--activation_checkpoint.keep_attention", "off",
+                            "--activation_checkpoint.resident_blocks", "0")
     assert (REPO / "configs/qwen3_32b/upipe_8gpu_2_5m.toml").exists()
-    per_layer = (417.55 + 590.79) / 32 * (2.5 / 2) ** 2  # Table 5's 2M, quadratic to 2.5M
-    slowdown = gpu_suite.kernel_slowdown()
-    assert run.estimate_s == pytest.approx(gpu_suite.STARTUP_S + 2 * slowdown * 2 * per_layer)
+    per_layer = gpu_suite.attention_seconds_per_layer("2.5M")  # Llama3-8B's (the kernel table's rates)
+    rest = gpu_suite.OTHER_S_PER_LAYER_M * 2.5
+    assert run.estimate_s == pytest.approx(gpu_suite.STARTUP_S + 2 * (2 * per_layer + rest))
     assert run.estimate_s <= gpu_suite.DEFAULT_BUDGET_S  # one 10-minute call
     assert [r.length for r in gpu_suite.plan_runs("memory") if r.method == "upipe_8gpu"] == ["1M", "2M", "2.5M"]
     assert gpu_suite.main(["--dry-run", "--stage", "memory", "--lengths", "2.5M", "--select", "qwen3_32b upipe_8gpu"]) == 0
@@ -130,7 +129,7 @@ def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch
         return run.result(ok=True, oom=False, measurement={"n_layers": 2})
 
     planned = []
-    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    monkeypatch.setattr(gpu_runs, "run_emulator", fake)
     from titan_upipe.tools import gpu_context  # plans what a run measured
 
     monkeypatch.setattr(gpu_context, "parse_config", lambda argv: planned.append(argv) or parse_config(argv))
@@ -149,15 +148,6 @@ def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch
                                                                  "--activation_checkpoint.cpu_offload"]
 
 
-def test_estimates_follow_the_papers_step_times():
-    """1M from Table 5 directly: (fwd + bwd) / 32 layers; 4M is 16x 1M (quadratic beyond the table)."""
-    one_m = (103.92 + 147.37) / 32
-    assert gpu_suite.attention_seconds_per_layer("1M") == pytest.approx(one_m)
-    assert gpu_suite.attention_seconds_per_layer("4M") == pytest.approx(
-        (940.62 + 1330.76) / 32 * (4 / 3) ** 2)
-    assert gpu_suite.attention_seconds_per_layer("128K") < gpu_suite.attention_seconds_per_layer("256K")
-
-
 def test_every_stage_has_a_selection_within_a_call_and_each_run_fits_alone():
     """A stage is a call under 9 minutes: what does not fit is left for the next call, and every
     single run fits a call on its own (else it could never be measured)."""
@@ -166,11 +156,11 @@ def test_every_stage_has_a_selection_within_a_call_and_each_run_fits_alone():
         now, later = gpu_suite.schedule_within(runs, gpu_suite.DEFAULT_BUDGET_S)
         assert now and sum(r.estimate_s for r in now) <= gpu_suite.DEFAULT_BUDGET_S
         assert now + later == runs
-    # 5M and beyond take longer than one call with SDPA on an H100 (2x the paper's FA3 times,
-    # measured 2026-11-23): a node without a call limit runs them with a larger --budget-s
+    # 6M and beyond take longer than one call with FlashAttention-4 on sm90 (the kernel table's
+    # H200 rates, 2026-11-27): a node without a call limit runs them with a larger --budget-s
     too_long = {r.name for r in gpu_suite.plan_runs("memory") if r.estimate_s > gpu_suite.DEFAULT_BUDGET_S}
     assert too_long == {f"{model} {n}" for model in ("llama3_8b ulysses", "llama3_8b upipe", "qwen3_32b upipe_usp")
-                        for n in ("5M", "6M", "7M", "8M") if not (model.startswith("qwen") and n in ("7M", "8M"))}
+                        for n in ("6M", "7M", "8M") if not (model.startswith("qwen") and n in ("7M", "8M"))}
 
 
 def test_schedule_stops_at_the_first_run_over_budget():
@@ -190,7 +180,7 @@ def test_a_run_that_does_not_fit_before_the_deadline_is_not_started(monkeypatch)
         return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b",
                 "command": "", "argv": list(run.argv[1:]), "ok": True, "oom": False, "measurement": None}
 
-    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    monkeypatch.setattr(gpu_runs, "run_emulator", fake)
     monkeypatch.setattr(gpu_suite.time, "monotonic", lambda: clock[0])
     deadline = runs[0].estimate_s + runs[1].estimate_s + runs[2].estimate_s / 2
     results = gpu_suite.run_emulator_stage("memory", runs, deadline, lambda r, rest: saved.append((len(r), len(rest))))
@@ -219,7 +209,7 @@ def test_kernels_stage_runs_on_cpu_and_writes_its_report(tmp_path):
     report = gpu_suite.run_stage("kernels", args, ["--stage", "kernels"], device="cpu")
     assert report.ok, [r for r in report.results if not r["ok"]]
     checks = {r["check"] for r in report.results if not r["skipped"]}
-    assert checks == {"contract", "fused_ce", "offload_streams", "bf16_parity", "compile"}
+    assert checks == {"contract", "fused_ce", "offload_streams", "bf16_parity", "compile", "kept_attention"}
     skipped = {r["case"] for r in report.results if r["skipped"]}
     assert {"flash_attn4", "flash_attn3", "flash_attn", "liger"} <= skipped  # no CUDA here: said, not hidden
     varlen = [r for r in report.results if r["check"] == "varlen"]  # packed documents' kernels: none on CPU
@@ -247,8 +237,12 @@ def test_kernels_stage_fails_on_a_wrong_attention_gradient(monkeypatch):
     assert not gpu_kernels.parity_checks("cpu")[0]["ok"]
 
 
-def _fake_record(method: str, length: str, step_s: float, seq_len: int) -> dict:
-    return {"oom": False, "seq_len": seq_len, "batch": 1, "cp_degree": 8, "n_layers": 2,
+def _fake_record(method: str, length: str, step_s: float, seq_len: int, warm: bool = True) -> dict:
+    timed = {"warm": True, "steps": 3, "warmup_steps": 1, "step_times_s": [step_s / 16, step_s / 16 * 1.01],
+             "compile_s": 6.0, "kernel_compiles_during_timed_steps": 0} if warm else \
+        {"warm": False, "steps": 1, "warmup_steps": 1, "step_times_s": [], "compile_s": None,
+         "kernel_compiles_during_timed_steps": None}
+    return {"oom": False, "seq_len": seq_len, "batch": 1, "cp_degree": 8, "n_layers": 2, **timed,
             "full": {"modeled_step_time_s": step_s, "device_peak_allocated_bytes": 2**30,
                      "device_peak_reserved_bytes": 2**31}}
 
@@ -261,13 +255,53 @@ def test_speed_results_are_checked_against_an_independent_computation(monkeypatc
         return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b", "ok": True,
                 "oom": False, "measurement": _fake_record(run.method, run.length, steps[run.method], 2**20)}
 
-    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    monkeypatch.setattr(gpu_runs, "run_emulator", fake)
     results = gpu_suite.run_emulator_stage("speed", runs)
     upipe = next(r for r in results if r["method"] == "upipe")
     assert upipe["tokens_per_s"] == pytest.approx(2**20 / 310.0 / 8)
     assert upipe["ratio"] == pytest.approx(310 / 300)
     assert upipe["paper_ratio"] == pytest.approx(276.39 / 275.06)
     assert upipe["paper_tokens_per_s"] == pytest.approx(472.53)
+
+
+TIMED_KEYS = ("warm", "steps", "warmup_steps", "step_times_s", "compile_s", "kernel_compiles_during_timed_steps")
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["warm false", "a report from before issue 41"])
+def test_no_tokens_per_s_or_ratio_from_a_single_cold_step(monkeypatch, old):
+    """A cold step (no untimed warm-up: first-use compilation inside it) gives no tokens/s and no
+    UPipe / Ulysses ratio, in the results and in the Markdown, which says why; the other method's
+    warm step keeps its tokens/s."""
+    runs = gpu_suite.plan_runs("speed", ("1M",))
+
+    def fake(run, timeout_s=None):
+        record = _fake_record(run.method, run.length, 300.0, 2**20, warm=run.method == "ulysses")
+        if run.method == "upipe" and old:
+            record = {k: v for k, v in record.items() if k not in TIMED_KEYS}
+        return {"name": run.name, "method": run.method, "length": run.length, "model": "llama3_8b", "ok": True,
+                "oom": False, "measurement": record}
+
+    monkeypatch.setattr(gpu_runs, "run_emulator", fake)
+    results = gpu_suite.run_emulator_stage("speed", runs)
+    ulysses, upipe = (next(r for r in results if r["method"] == m) for m in ("ulysses", "upipe"))
+    assert ulysses["tokens_per_s"] == pytest.approx(2**20 / 300.0 / 8) and "refused" not in ulysses
+    assert "tokens_per_s" not in upipe and "ratio" not in upipe and "cold step" in upipe["refused"]
+    text = "\n".join(gpu_reports.StageReport("speed", {}, results, lengths=("1M",)).markdown())
+    assert "| 1M | upipe | 1 cold | 300.00 | refused |" in text, text
+    assert "| 1M | ulysses | 1 + 2, compile 6.0 s | 300.00 | 436.91 |" in text, text
+    assert "llama3_8b upipe 1M: a single cold step" in text and "no tokens/s and no ratio" in text
+
+
+def test_speed_and_tsp_runs_time_warm_steps_and_their_estimates_count_them():
+    """The speed and tsp stages run 3 steps, the first an untimed warm-up; their estimates are the
+    one-step estimate's step part times the steps and the compile pass, the start-up once."""
+    for stage, length in (("speed", "1M"), ("tsp", "1M")):
+        run = gpu_suite.plan_runs(stage, (length,))[0]
+        argv = list(run.argv)
+        assert argv[argv.index("--steps") + 1] == "3" and argv[argv.index("--warmup-steps") + 1] == "1", argv
+        one = gpu_suite.run_estimate_s(length)
+        assert run.estimate_s == pytest.approx(gpu_suite.STARTUP_S + (one - gpu_suite.STARTUP_S) * 3.5)
+    assert all("--steps" not in r.argv for r in gpu_suite.plan_runs("memory"))  # memory: one step, cold
 
 
 def test_memory_series_stops_at_the_first_oom(monkeypatch):
@@ -280,7 +314,7 @@ def test_memory_series_stops_at_the_first_oom(monkeypatch):
                 "command": " ".join(run.argv[1:]), "argv": list(run.argv[1:]), "ok": True,
                 "oom": run.length == "4M", "measurement": None}
 
-    monkeypatch.setattr(gpu_suite, "_run_emulator", fake)
+    monkeypatch.setattr(gpu_runs, "run_emulator", fake)
     results = gpu_suite.run_emulator_stage("memory", runs)
     assert calls == ["4M"]
     assert [r.get("skipped", False) for r in results] == [False, True, True]
@@ -294,9 +328,9 @@ def test_memory_series_stops_at_the_first_oom(monkeypatch):
 def test_one_real_emulator_run_is_parsed():
     """The subprocess, JSON and planner plumbing of the memory stage, on a CPU debug config."""
     run = gpu_suite.Run("memory", "llama3 debug upipe 1K",
-                        gpu_suite._emulator("configs/debug/upipe.toml", 4, "--training.seq_len", "1024"),
+                        gpu_runs.emulator_argv("configs/debug/upipe.toml", 4, "--training.seq_len", "1024"),
                         method="upipe", length="1K")
-    result = gpu_suite._run_emulator(run)
+    result = gpu_runs.run_emulator(run)
     assert result["ok"], result.get("error")
     m = result["measurement"]
     assert m["seq_len"] == 1024 and m["cp_degree"] == 4 and m["n_layers"] == 2 and m["total_peak_bytes"] > 0

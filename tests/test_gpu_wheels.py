@@ -44,7 +44,8 @@ def test_the_committed_lock_is_closed_over_the_image(lock, image):
     assert "nvidia-cutlass-dsl-libs-cu12" not in carried and "nvidia-cutlass-dsl-libs-cu13" in carried
     # what the image meets by name only is listed, and is exactly the image's unversioned entries used
     assert set(result.unverified) <= {n for n, v in image.items() if v is None}
-    assert any("version not recorded" in line for line in lines)
+    # (listed where there are any: the image list of the H200 run, 2026-11-27, records every version)
+    assert any("version not recorded" in line for line in lines) == bool(result.unverified)
     assert lines[-1].startswith("flash_attn.cute.interface: would import")
 
 

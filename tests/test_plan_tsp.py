@@ -140,10 +140,11 @@ def test_plan_cli_accepts_tsp_from_a_recipe_and_from_a_model(capsys):
     from_recipe = json.loads(capsys.readouterr().out)
     assert from_recipe["mode"] == "tsp" and from_recipe["fits"] and from_recipe["cp"] == 8
     assert P.main(["--model", "llama3_8b", "--mode", "tsp", "--cp", "8", "--seq-len", "1M", "--gpu-mem", "80",
-                   "--json"]) == 0
+                   "--host-mem", "1900", "--keep-attention", "auto", "--json"]) == 0
     from_model = json.loads(capsys.readouterr().out)
     assert from_model["mode"] == "tsp" and not from_model["job"]["tiled_mlp"] and not from_model["job"]["fused_rope"]
-    # the recipe and the model's defaults are one job (liger CE vs the recipe's auto, both liger on cuda)
+    # the recipe and the model's defaults are one job (liger CE vs the recipe's auto, both liger on cuda; the
+    # recipe's keep_attention = "auto" sized alike)
     assert from_model["peak_gpu_bytes"] == from_recipe["peak_gpu_bytes"]
 
 

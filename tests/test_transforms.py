@@ -196,9 +196,10 @@ def test_fused_rope_init_weights_builds_no_full_table():
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_in_place_rope_equals_torchtitan_rope_bit_for_bit_in_fp32(family):
-    """UPipe's recompute uses the in-place RoPE while autograd uses TorchTitan's formula:
-    in fp32 they must agree exactly, or recomputed gradients drift from the reference."""
+def test_in_place_rope_equals_torchtitan_rope_bit_for_bit_in_fp32_and_bf16(family):
+    """UPipe's recompute uses the in-place RoPE while autograd uses TorchTitan's formula: they must
+    agree exactly, in fp32 and bf16, or recomputed gradients drift from the reference (and a block
+    keeping its attention would replay results of other Q/K than its backward rebuilds)."""
     from torchtitan.models.llama3.model.model import precompute_freqs_cis
     from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
@@ -211,9 +212,10 @@ def test_in_place_rope_equals_torchtitan_rope_bit_for_bit_in_fp32(family):
         kind, table = RotaryKind.COS_SIN, precompute_rope_cache(64, 512, 1e6)
     x = torch.randn(2, 300, 3, 64) * 10
     positions = torch.randint(0, 512, (2, 300))
-    want = rotate(x, table, positions, kind)
-    got = rotate_(x.clone(), table, positions, kind)
-    assert torch.equal(got, want), (got - want).abs().max()
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 too: a kept attention's recorded Q/K are rotate_'s
+        want = rotate(x.to(dtype), table, positions, kind)
+        got = rotate_(x.to(dtype), table, positions, kind)
+        assert torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.parametrize("fused_rope_first", [True, False])

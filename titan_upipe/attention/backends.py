@@ -52,9 +52,10 @@ flash_attn4 FlashAttention-4 (``flash-attn-4``:            Hopper, Blackwell   f
             ``flash_attn.cute``)
 auto        at conversion, the fastest backend usable      --                  --
             here for the compute dtype and head_dim:
-            the order measured on this GPU
-            (``kernel_speed.py``), else flash_attn4 >
-            flash_attn3 > flash_attn > sdpa > cudnn
+            the order measured on GPUs of this one's
+            architecture merged into its default order
+            (``kernel_speed.py``; sm90+: flash_attn4 >
+            flash_attn3 > cudnn > flash_attn > sdpa)
 =========== ============================================== =================== ==========
 
 The flash-attn packages are imported lazily; a missing one (or, for ``cudnn``, a torch without
@@ -84,7 +85,7 @@ from titan_upipe.attention.flash_backends import (  # noqa: F401
     FlashAttn3Backend,
     FlashAttn4Backend,
 )
-from titan_upipe.attention.kernel_speed import measured_order
+from titan_upipe.attention.kernel_speed import DEFAULT_ORDER, arch_of_capability, measured_order
 from titan_upipe.errors import ConfigError
 
 
@@ -280,14 +281,14 @@ BACKENDS: dict[str, type[LocalAttentionBackend]] = {
 AUTO = "auto"
 BACKEND_SETTINGS = (AUTO, *BACKENDS)
 """Values of ``[upipe] attention_backend``: ``auto`` and every backend name."""
-AUTO_ORDER = ("flash_attn4", "flash_attn3", "flash_attn", "sdpa", "cudnn")
-"""``auto``'s candidates, and their order where nothing is measured on the job's GPU (``auto_order``
-reads the measured order from ``titan_upipe/resources/kernel_speed.csv``). This default: FA4 and FA3 lead on
-Hopper, then the FA2-class kernels (``flash_attn``, torch's flash kernel behind ``sdpa``, which
-passed the contract on an H100). ``cudnn`` comes last until a GPU measures it: its backward has
-run the contract only over an emulation of its ops, and public H100 figures (near FA3, about 630
-TFLOP/s forward, 1.7-2.3x torch's flash SDPA: pytorch#142132, transformers#48163) promote it only
-through a measured ranking on the GPU, where it must pass the contract first."""
+AUTO_ORDER = DEFAULT_ORDER
+"""``auto``'s candidates: ("flash_attn4", "flash_attn3", "flash_attn", "sdpa", "cudnn"), also their
+order where the GPU's architecture is not known (``probe=False``: no CUDA query) or older than Hopper.
+On a GPU ``auto_order`` ranks them for its architecture (``kernel_speed.measured_order``): the
+speeds measured on that architecture (``titan_upipe/resources/kernel_speed.csv``) merged into its
+default order, on sm90 and newer flash_attn4 > flash_attn3 > cudnn > flash_attn > sdpa (cuDNN
+measured 1.7x SDPA's flash kernel on an H200, 2026-11-27, after passing the contract there). Before
+Hopper nothing is measured, and ``cudnn`` stays behind torch's own kernel until a GPU there ranks it."""
 
 
 @dataclass(frozen=True)
@@ -316,24 +317,27 @@ def _problem(cls: type[LocalAttentionBackend], dtype: torch.dtype | None, ring: 
     return cls.dtype_problem(dtype) or cls.head_dim_problem(head_dim) or cls.unavailable_reason(probe)
 
 
-def auto_order(probe: bool = True) -> tuple[str, ...]:
-    """``auto``'s candidates, fastest first: the order measured on this GPU
-    (``kernel_speed.measured_order``, ``titan_upipe/resources/kernel_speed.csv``; a backend that failed its
-    contract here is left out), else ``AUTO_ORDER``. ``probe=False`` asks CUDA nothing: ``AUTO_ORDER``."""
-    device = torch.cuda.get_device_name() if probe and torch.cuda.is_available() else None
-    return measured_order(device, AUTO_ORDER)
+def auto_order(probe: bool = True, head_dim: int | None = None, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """``auto``'s candidates for a job of ``head_dim`` and ``dtype``, fastest first: on this GPU, the
+    order of its architecture (``kernel_speed.measured_order``: the rows of every GPU of that compute
+    capability, a backend that failed its contract there left out, unmeasured ones placed by the
+    architecture's default order); without one, or with ``probe=False`` (no CUDA query), ``AUTO_ORDER``."""
+    if not (probe and torch.cuda.is_available()):
+        return AUTO_ORDER
+    return measured_order(arch_of_capability(torch.cuda.get_device_capability()), AUTO_ORDER,
+                          head_dim=head_dim, dtype=dtype)
 
 
 def choose_backend(setting: str, dtype: torch.dtype | None = None, ring: bool = False,
                    probe: bool = True, head_dim: int | None = None, varlen: bool = False) -> BackendChoice:
     """Resolve ``[upipe] attention_backend`` for inputs of ``dtype`` and heads of ``head_dim``
     (None: not known yet), with ``ring`` for ring/USP and, for ``auto``, with ``varlen`` for packed
-    documents on CUDA. ``auto`` takes the first usable name of ``auto_order`` (measured on this GPU, else
-    ``AUTO_ORDER``); a named backend that cannot run here raises ConfigError naming why and the
+    documents on CUDA. ``auto`` takes the first usable name of ``auto_order`` (measured on this GPU's
+    architecture, else its default order); a named backend that cannot run here raises ConfigError naming why and the
     valid choices. ``probe=False``: no import, no CUDA query (see ``unavailable_reason``)."""
     if setting == AUTO:
         passed_over = []
-        for name in auto_order(probe):
+        for name in auto_order(probe, head_dim, dtype):
             why = _problem(BACKENDS[name], dtype, ring, probe, head_dim, varlen)
             if why is None:
                 return BackendChoice(setting, name, tuple(passed_over))

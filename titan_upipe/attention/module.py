@@ -24,6 +24,7 @@ from titan_upipe.attention.input_checks import (
     check_mesh_for_mode,
     check_ring_sequence,
 )
+from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
@@ -220,7 +221,10 @@ class ContextParallelAttention(nn.Module):
         # After the all-to-all a rank holds whole rows of its heads: each document one segment.
         return self.backend if mask is None else DocumentMaskedBackend(self.backend, mask)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None,
+                kept: KeptAttention | None = None) -> Tensor:
+        """TorchTitan's signature, plus ``kept``: the block's kept kernel results (``keep.py``), which
+        the checkpoint wrapper passes to a block that keeps them."""
         # What can change per call: the shard's shape, its positions, the batch's documents.
         check_local_inputs(x, positions, self.cp_degree)
         check_ring_sequence(x.shape[1] * self.cp_degree, self.ring_degree, self.ulysses_degree)
@@ -240,6 +244,7 @@ class ContextParallelAttention(nn.Module):
             scale=self.spec.scale,
             qk_norm=self.spec.qk_norm,
             rank=ulysses_rank,
+            kept=kept,
         )
         norms = (self.q_norm.weight, self.k_norm.weight) if self.spec.qk_norm else (None, None)
         weights = (self.wq.weight, self.wk.weight, self.wv.weight, *norms)

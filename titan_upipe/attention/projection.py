@@ -67,16 +67,19 @@ ROTATE_CHUNKS = 8
 
 
 def rotate_(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Tensor:
-    """In-place RoPE of ``x`` ``[B, L, h, D]``: fp32 math per element, one head at a time.
+    """In-place RoPE of ``x`` ``[B, L, h, D]``, one head at a time, bit for bit :func:`rotate`
+    (TorchTitan's formulas) in every dtype.
 
     The same products and sums as TorchTitan's complex multiply (Llama3) and ``rotate_half``
-    (Qwen3) formulas, each product rounded on its own (no fused multiply-add), so in fp32 the
-    result equals TorchTitan's bit for bit; in bf16 it is rounded once to x's dtype (Qwen3 in
-    bf16 rounds each op to bf16; the difference is within one bf16 ulp), from Qwen3's cos/sin
-    rounded to x's dtype as TorchTitan's. Temporaries:
-    2.5/ROTATE_CHUNKS of one head in fp32.
+    (Qwen3) formulas, each product rounded on its own (no fused multiply-add), in the dtype
+    TorchTitan computes them in: fp32 for Llama3's complex multiply (rounded once to x's dtype),
+    x's dtype for Qwen3 (every product and sum rounded to it, from cos/sin rounded to it). So a
+    no-grad forward (this function) and its recomputation under autograd (:func:`rotate`) see the
+    same Q/K, which a block keeping its attention (``attention.keep``) relies on. Temporaries:
+    2.5/ROTATE_CHUNKS of one head in fp32 (Llama3) or x's dtype (Qwen3).
     """
     cos, sin = _table_rows(table, positions, x.dtype)
+    math_dtype = torch.float32 if kind is RotaryKind.COMPLEX else x.dtype  # as rotate computes
     if kind is RotaryKind.COMPLEX:  # interleaved (re, im) pairs
         pairs = x.unflatten(-1, (-1, 2))
         first, second = pairs[..., 0], pairs[..., 1]
@@ -90,8 +93,8 @@ def rotate_(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Te
             tokens = slice(start, start + chunk)
             c, s = cos[:, tokens], sin[:, tokens]
             # Copies (never aliases, even in fp32) so x can be overwritten in place.
-            a = first[:, tokens, head].to(torch.float32, copy=True)
-            b = second[:, tokens, head].to(torch.float32, copy=True)
+            a = first[:, tokens, head].to(math_dtype, copy=True)
+            b = second[:, tokens, head].to(math_dtype, copy=True)
             # Separate products, not addcmul_: its fused multiply-add rounds differently
             # from the reference formulas.
             first[:, tokens, head].copy_(a * c - b * s)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from titan_upipe.attention.backends import LocalAttentionBackend
+from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.projection import HeadProjection
 from titan_upipe.attention.schedule import HeadSchedule
 
@@ -21,6 +22,9 @@ class AttentionRun:
     qk_norm: bool
     rank: int = 0
     """This rank's index in the CP group (which query heads of each stage it attends)."""
+    kept: KeptAttention | None = None
+    """The block's kept kernel results (``keep.py``): recorded by its forward, replayed by its
+    recomputation; None: the kernel runs every time."""
 
     @property
     def cp_degree(self) -> int:

@@ -13,17 +13,26 @@ import torch
 
 from titan_upipe.attention.backends import LocalAttentionBackend
 from titan_upipe.attention.collectives import heads_to_sequence, sequence_to_heads
+from titan_upipe.attention.keep import KeptAttention, recording, replaying
 from titan_upipe.attention.run import AttentionRun
 
 Tensor = torch.Tensor
 
 
 class LocalAttention(torch.autograd.Function):
-    """A backend's (out, lse) forward and explicit backward as one autograd node."""
+    """A backend's (out, lse) forward and explicit backward as one autograd node. With ``kept``
+    (``keep.py``) a block's forward records ``(out, lse)`` and its recomputation takes them back
+    instead of running the kernel (for a ring kernel: instead of the ring's passes too)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, backend: LocalAttentionBackend, scale: float) -> Tensor:
-        out, lse = backend.forward(q, k, v, scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, backend: LocalAttentionBackend, scale: float,
+                kept: KeptAttention | None = None) -> Tensor:
+        if replaying(kept):
+            out, lse = kept.replay()
+        else:
+            out, lse = backend.forward(q, k, v, scale)
+            if recording(kept):
+                kept.record(out, lse)
         ctx.backend, ctx.scale = backend, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -32,7 +41,7 @@ class LocalAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.backend.backward(dout, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def ulysses_attention(
@@ -60,5 +69,6 @@ def ulysses_attention(
         sequence_to_heads(v, c, run.group),
         run.backend,
         run.scale,
+        run.kept,
     )
     return heads_to_sequence(out, c, run.group).reshape(b, seq, -1)

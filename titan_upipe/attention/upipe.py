@@ -14,6 +14,9 @@ Forward, per stage (``h = U/C`` query heads per rank, ``L = S/C`` local tokens):
 
 The layer's ``wo`` is applied inside the function. Only ``x``, the output buffer (the
 stage-independent attention output before ``wo``) and the per-stage LSE are saved.
+With kept attention (``keep.py``) a checkpointed block's forward records exactly these two, and
+its recomputation takes them back and runs no stage at all (no projection, all-to-all or kernel):
+only ``wo``.
 
 Backward computes ``wo``'s gradient first (the output buffer's last full use), then replays
 the schedule: it recomputes each stage's projections, norms, RoPE and all-to-alls, forms the
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from titan_upipe.attention.collectives import all_to_all, heads_view, seq_major
+from titan_upipe.attention.keep import recording, replaying
 from titan_upipe.attention.run import AttentionRun
 from titan_upipe.attention.schedule import HeadSchedule, Stage
 
@@ -220,6 +224,37 @@ def _project_output_grad(grad_y: Tensor, wo: Tensor, stage: Stage, head_dim: int
         del grad_out
 
 
+def _stages_forward(x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, q_norm_weight: Tensor | None,
+                    k_norm_weight: Tensor | None, run: AttentionRun) -> tuple[Tensor, list[Tensor]]:
+    """The forward's stage loop (module docstring, steps 1-4): the attention output before ``wo``,
+    ``[B, L, H*D]``, and each stage's LSE ``[B, U/C, S]`` (fp32)."""
+    schedule = run.schedule
+    b, seq, _ = x.shape
+    n_heads, d, hq = schedule.n_heads, run.head_dim, schedule.query_heads_per_rank
+    output = x.new_empty(b, seq, n_heads * d)
+    output_heads = output.view(b, seq, n_heads, d)
+    buffers = StageBuffers.allocate(x, schedule, d, n_recv=1)
+    send, recv = buffers.view(buffers.send, hq), buffers.view(buffers.recv[0], hq)
+    kv: ResidentKV | None = None
+    lses: list[Tensor] = []
+    for stage in schedule.stages:
+        if stage.sends_kv:
+            kv = None  # the previous group's K/V go before the next group's arrive
+            kv = _exchange_kv(x, wk, wv, k_norm_weight, stage, run, buffers)
+        _project_queries(x, wq, q_norm_weight, stage, run, send)
+        all_to_all(send, recv, run.group)
+        k, v, _ = kv.for_stage(stage, run)
+        out, lse = run.backend.forward(heads_view(recv), k, v, run.scale)
+        del k, v
+        lses.append(lse)
+        seq_major(heads_view(send)).copy_(seq_major(out))
+        del out
+        all_to_all(send, recv, run.group)
+        _scatter_stage_heads(recv, stage, output_heads)
+    del kv, buffers, send, recv
+    return output, lses
+
+
 class UPipeAttentionFunction(torch.autograd.Function):
     """UPipe attention and ``wo``: ``x`` ``[B, L, dim]`` -> the layer output ``[B, L, dim]``.
 
@@ -231,30 +266,12 @@ class UPipeAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, q_norm_weight: Tensor | None,
                 k_norm_weight: Tensor | None, run: AttentionRun) -> Tensor:
-        schedule = run.schedule
-        b, seq, _ = x.shape
-        n_heads, d, hq = schedule.n_heads, run.head_dim, schedule.query_heads_per_rank
-        output = x.new_empty(b, seq, n_heads * d)
-        output_heads = output.view(b, seq, n_heads, d)
-        buffers = StageBuffers.allocate(x, schedule, d, n_recv=1)
-        send, recv = buffers.view(buffers.send, hq), buffers.view(buffers.recv[0], hq)
-        kv: ResidentKV | None = None
-        lses: list[Tensor] = []
-        for stage in schedule.stages:
-            if stage.sends_kv:
-                kv = None  # the previous group's K/V go before the next group's arrive
-                kv = _exchange_kv(x, wk, wv, k_norm_weight, stage, run, buffers)
-            _project_queries(x, wq, q_norm_weight, stage, run, send)
-            all_to_all(send, recv, run.group)
-            k, v, _ = kv.for_stage(stage, run)
-            out, lse = run.backend.forward(heads_view(recv), k, v, run.scale)
-            del k, v
-            lses.append(lse)
-            seq_major(heads_view(send)).copy_(seq_major(out))
-            del out
-            all_to_all(send, recv, run.group)
-            _scatter_stage_heads(recv, stage, output_heads)
-        del kv, buffers, send, recv
+        if replaying(run.kept):  # the recomputation of a block that kept them: no stage runs again
+            output, *lses = run.kept.replay()
+        else:
+            output, lses = _stages_forward(x, wq, wk, wv, q_norm_weight, k_norm_weight, run)
+            if recording(run.kept):
+                run.kept.record(output, *lses)
         ctx.run = run
         ctx.save_for_backward(x, wq, wk, wv, wo, q_norm_weight, k_norm_weight, output, *lses)
         return F.linear(output, wo)

@@ -33,12 +33,17 @@ class CommBytes:
         c = self.ulysses_degree
         return a2a_bytes * (c - 1) / c
 
-    def per_step(self, n_layers: int, recompute_fraction: float) -> dict[str, float]:
+    def per_step(self, n_layers: int, recompute_fraction: float, kept_layers: int = 0,
+                 upipe: bool = False) -> dict[str, float]:
         """Send bytes of one training step: forward, its recomputation under activation
-        checkpointing (``recompute_fraction`` of the layers), backward."""
-        fwd = 1.0 + recompute_fraction
-        a2a = n_layers * (fwd * self.a2a_forward + self.a2a_backward)
-        p2p = n_layers * (fwd * self.p2p_forward + self.p2p_backward)
+        checkpointing (``recompute_fraction`` of the layers), backward. ``kept_layers`` of the
+        recomputed layers keep their attention (``attention.keep``): their recomputation sends no
+        ring bytes (the kernel is not run) and, for UPipe (whose kept recomputation runs no stage),
+        no all-to-all bytes either; Ulysses/USP still exchange Q, K, V and the output."""
+        recomputed = n_layers * recompute_fraction
+        a2a = (n_layers * (self.a2a_forward + self.a2a_backward)
+               + (recomputed - (kept_layers if upipe else 0)) * self.a2a_forward)
+        p2p = n_layers * (self.p2p_forward + self.p2p_backward) + (recomputed - kept_layers) * self.p2p_forward
         return {"a2a_bytes": a2a, "a2a_wire_bytes": self.a2a_wire(a2a), "p2p_bytes": p2p}
 
 

@@ -48,6 +48,18 @@ def layer_comm_bytes(shards: TSPShards, dim: int, batch: int, seq_len: int, beta
     return {key: value for key, value in volumes.items() if value}
 
 
+def step_bytes(volumes: dict[tuple[str, str], int], n_layers: int, recompute_fraction: float,
+               kept_layers: int = 0) -> float:
+    """Bytes one rank receives in one step of ``n_layers`` layers of ``volumes``
+    (``layer_comm_bytes``): the forward again for ``recompute_fraction`` of them, less the K/V
+    all-gathers of the ``kept_layers`` whose recomputation replays its attention (``attention.keep``:
+    the weights still travel)."""
+    forward = sum(v for (phase, _), v in volumes.items() if phase == "forward")
+    backward = sum(volumes.values()) - forward
+    gathers = volumes.get(("forward", "all_gather"), 0)
+    return n_layers * (forward * (1 + recompute_fraction) + backward) - kept_layers * gathers
+
+
 def paper_layer_comm_bytes(shards: TSPShards, dim: int, batch: int, seq_len: int, beta: int,
                            recompute: bool = False) -> dict[str, float]:
     """The paper's per-layer, per-device volumes (eqs. 14-16), data-parallel all-reduce left out:

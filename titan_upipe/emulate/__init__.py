@@ -22,10 +22,27 @@ The same code runs in two situations:
 What one measured step is (the trainer's ``train_step`` without data loading, logging,
 checkpointing and the LR scheduler): ``zero_grad``; forward on this rank's shard;
 ``loss = loss_fn(pred, labels) / global_tokens``; ``del pred``; ``backward``;
-``clip_grad_norm_`` (foreach, as the trainer); ``optimizer.step()``. Before the measured
-step(s), the optimizer state is materialised by one optimizer step on all-zero gradients
-(no forward/backward), so even ``steps=1`` measures a steady-state step, not the first
-step that creates Adam's moments. With ``steps > 1`` the numbers are those of the last step.
+``clip_grad_norm_`` (foreach, as the trainer); ``optimizer.step()``. Before the steps, the
+optimizer state is materialised by one optimizer step on all-zero gradients (no
+forward/backward), so no step creates Adam's moments: memory is that of any later step.
+
+Steps (``series.py``): ``steps`` in all, the first ``warmup_steps`` (default 1) run but not
+timed, then the timed ones; the reported step is the timed step whose total is the median
+(the lower middle one of an even count), and every figure (phases, blocks, attention,
+optimizer, memory) comes from that one step. A first step is no steady state: it pays
+first uses (FlashAttention-4 compiles each kernel at its first call, about 6 s per process on
+an H200; cuBLAS/cuDNN set-up, Liger's Triton kernels, allocator growth). With ``steps <=
+warmup_steps`` (``steps=1``, enough for memory) nothing is timed: the last step is reported,
+``warm`` is False, and no throughput should be read from its time. ``first_step_time_s``,
+``step_times_s`` (each timed step) and ``median_step_time_s`` say what ran.
+
+``compile_s``: before step 1, each converted attention's kernel runs forward and backward once
+at the step's per-rank shapes (``compile_pass.py``; by default where a step is timed), its
+wall time reported apart. ``kernel_compiles`` counts the kernels compiled in that pass, the
+warm-up and the timed steps where the compiler keeps a count (``torch.compile`` graphs,
+FlashAttention-4's JIT caches: ``titan_upipe.attention.kernel_compiles``);
+``kernel_compiles_during_timed_steps`` > 0 means the timed steps include compilation (the
+report says so), None that it is not countable or nothing was timed.
 
 Memory (bytes, this rank, identical definition in fake and real runs):
 
@@ -66,27 +83,34 @@ Memory (bytes, this rank, identical definition in fake and real runs):
 
 Fewer layers (``n_layers``) run a model with that many blocks; ``full`` holds the
 estimate for the configured flavor's layer count, or ``full_layers``
-(:func:`extrapolate_layers`, a pure function: state, offloaded host bytes, communication
-and time scale with layers; the transient peak inside one block does not; each extra block
-adds ``retained_bytes_per_layer`` to the forward/backward peak, or its gradients where
-those are larger).
+(:func:`extrapolate_layers`, a pure function: state, offloaded host bytes and communication
+scale with layers; the transient peak inside one block does not; each extra block adds
+``retained_bytes_per_layer`` to the forward/backward peak, or its gradients where those are
+larger). Time: only the blocks repeat, ``T' = (T - B - O) + N * B / n + O * P' / P`` for a
+step ``T`` with ``B`` inside the ``n`` measured blocks and ``O`` in the optimizer (``P``: the
+parameter bytes); the batch, embedding, head and loss count once.
 
 Time (seconds, wall clock; on CUDA with ``synchronize`` at every boundary):
-``step_time_s`` and per phase; ``attention_time_s`` is the time spent inside the converted
+``step_time_s`` and per phase; ``block_forward_time_s`` / ``block_backward_time_s`` inside
+the transformer blocks (all measured blocks; backward with recomputation) and ``block_time_s``
+one block's mean; ``attention_time_s`` is the time spent inside the converted
 attention modules (projections, RoPE, all-to-alls, kernel, output projection; forward,
-backward and any recomputation; forward timed with module hooks, backward with gradient
-hooks on the module's output and input); ``other_compute_time_s = step_time_s -
+backward and any recomputation); both are timed with module hooks forward and gradient hooks
+on the module's output and input backward; ``other_compute_time_s = step_time_s -
 attention_time_s``. Communication is *modeled*, not measured: the all-to-all bytes of every
 converted attention call follow from its head schedule
 (:func:`~titan_upipe.costs.attention_comm.attention_comm_bytes`), and
 ``comm_time_s = a2a wire bytes / a2a_gbps + ring p2p bytes / p2p_gbps`` (GB = 1e9 bytes;
-the default 150 GB/s per direction is an NVLink-class all-to-all bandwidth per GPU, e.g. 8x
-H100 in one node; the wire bytes of an all-to-all exclude the chunk a rank keeps). In fake
-mode the collectives take no time, so ``step_time_s + comm_time_s`` is the modeled step
-time (no overlap assumed: the all-to-alls block the compute stream). In a real run the
-measured times already contain the communication. FSDP's all-gather/reduce-scatter are
-not modeled (they overlap compute in TorchTitan). Under activation checkpointing the
-forward's all-to-alls run again in backward (``recompute_fraction``).
+the modeled 150 GB/s per direction, ``DEFAULT_A2A_GBPS``, is an NVLink-class all-to-all
+bandwidth per GPU, e.g. 8x H100 in one node; the wire bytes of an all-to-all exclude the
+chunk a rank keeps). ``second_a2a_gbps`` (the CLI's ``--a2a-gbps``) reports the same at a
+second bandwidth, ``second_comm_time_s`` (the paper's Table 5 all-to-all times correspond to
+16-82 GB/s: docs/benchmarks/emulator.md). In fake mode the collectives take no time, so
+``step_time_s + comm_time_s`` is the modeled step time (no overlap assumed: the all-to-alls
+block the compute stream). In a real run the measured times already contain the
+communication. FSDP's all-gather/reduce-scatter are not modeled (they overlap compute in
+TorchTitan). Under activation checkpointing the forward's all-to-alls run again in backward
+(``recompute_fraction``).
 
 API (stable; the memory planner compares against it)::
 
@@ -99,9 +123,11 @@ A fake measurement needs a process without a default process group (it starts an
 fake one); run it in a subprocess where other code uses ``torch.distributed``.
 
 Modules: ``rank`` (one rank's model, optimizers and loss from a job config), ``step`` (one
-tracked training step -> ``StepResult``), ``extrapolate`` (fewer layers -> the full depth),
-``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli`` (``python -m titan_upipe.emulate``:
-the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
+tracked training step -> ``StepResult``; the steps of a measurement -> ``StepSeries``),
+``timers`` (block and attention wall time), ``compile_pass`` (the kernels' first use before
+step 1), ``series`` (warm-up, timed steps, the reported one), ``extrapolate`` (fewer layers ->
+the full depth), ``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli``
+(``python -m titan_upipe.emulate``: the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
 core, in ``titan_upipe.tools.memory_tracker``; the communication count (``CommBytes``,
 ``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.costs.attention_comm``.
 """
@@ -112,6 +138,7 @@ from titan_upipe.emulate.extrapolate import (
     StateBytes,
     StepCosts,
     StepPeaks,
+    StepTimes,
     extrapolate_layers,
 )
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, GB, ModeledComm, StepMeasurement, measure_step
@@ -123,6 +150,7 @@ from titan_upipe.emulate.rank import (
     build_training_rank,
     rank_device,
 )
+from titan_upipe.emulate.series import StepSeries
 from titan_upipe.emulate.step import PHASES, StepResult
 from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
 
@@ -139,6 +167,8 @@ __all__ = [
     "StepMeasurement",
     "StepPeaks",
     "StepResult",
+    "StepSeries",
+    "StepTimes",
     "StepTracker",
     "TrainingRank",
     "attention_comm_bytes",

@@ -1,17 +1,24 @@
 """Rank emulator: one rank of an N-rank context-parallel job in a single process.
 
     python -m titan_upipe.emulate --job.config_file X.toml --cp-world N [--n-layers K] [--seq-len S]
-        [--full-layers L] [--a2a-gbps B] [--p2p-gbps B] [--steps K] [--rank R] [--json] [--section.key value ...]
+        [--full-layers L] [--steps N] [--warmup-steps K] [--[no-]compile-pass] [--a2a-gbps B] [--p2p-gbps B]
+        [--rank R] [--json] [--section.key value ...]
 
 Builds the configured model for one rank (TorchTitan's train spec, converters, AC, FSDP,
 optimizer, loss) and runs a training step with real kernels and transforms on torch's fake
 process-group backend: collectives return at once with correctly shaped, uninitialised
 outputs, so no peers are needed (numerics are garbage, memory and time are real).
 Reports peak allocated/reserved memory, the state (params, grads, optimizer), activations,
-offloaded host bytes, and the step time split into attention, other compute and
-communication modeled from the all-to-all bytes and ``--a2a-gbps``. With ``--n-layers K``
-only K blocks are built and the flavor's full depth is extrapolated (use K >= 2).
-See ``titan_upipe.emulate`` for the exact definitions.
+offloaded host bytes, and the step time split into blocks, attention, other compute and
+communication modeled from the all-to-all bytes at 150 GB/s (NVLink-class; ``--a2a-gbps B``
+adds the same at a second bandwidth). With ``--n-layers K`` only K blocks are built and the
+flavor's full depth is extrapolated (use K >= 2).
+
+Times: ``--steps N`` runs N steps, the first ``--warmup-steps`` (default 1) untimed, and reports
+the median timed step; with one step (the default, enough for memory) nothing is timed warm and
+the report says so. Before step 1 the attention kernels run once (their first-use compilation,
+``compile_s``), by default where a step is timed. See ``titan_upipe.emulate`` for the exact
+definitions.
 
 Launched under torchrun (``torchrun --nproc_per_node N -m titan_upipe.emulate ...``,
 ``WORLD_SIZE`` > 1) it measures the real job instead (gloo on CPU, nccl on GPU), one rank per
@@ -31,6 +38,7 @@ length the layout cannot shard) is one line, ``titan_upipe.emulate: error: ...``
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -65,11 +73,20 @@ def _parse(argv: list[str]):
                         help="the depth the report extrapolates to (default: the flavor's)")
     parser.add_argument("--seq-len", type=token_count, default=None,
                         help="global sequence length, e.g. 4096 or 1M (training.seq_len)")
-    parser.add_argument("--a2a-gbps", type=positive_size, default=DEFAULT_A2A_GBPS,
-                        help=f"all-to-all bandwidth per rank and direction, GB/s (default {DEFAULT_A2A_GBPS:g})")
-    parser.add_argument("--p2p-gbps", type=positive_size, default=None,
-                        help="ring point-to-point bandwidth, GB/s (default: --a2a-gbps)")
-    parser.add_argument("--steps", type=positive_int, default=1, help="training steps; the last is reported (default 1)")
+    parser.add_argument("--a2a-gbps", type=positive_size, default=None,
+                        help=f"a second all-to-all bandwidth per rank and direction, GB/s: the communication is "
+                             f"reported at the modeled {DEFAULT_A2A_GBPS:g} GB/s (NVLink-class) and at this one "
+                             "(e.g. the paper's effective bandwidth, docs/benchmarks/emulator.md)")
+    parser.add_argument("--p2p-gbps", type=positive_size, default=DEFAULT_A2A_GBPS,
+                        help=f"ring point-to-point (and TSP collective) bandwidth, GB/s (default {DEFAULT_A2A_GBPS:g})")
+    parser.add_argument("--steps", type=positive_int, default=1,
+                        help="training steps in all, warm-up included; the median timed step is reported (default 1: "
+                             "no warm step, enough for memory)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=1,
+                        help="first steps run but not timed (default 1)")
+    parser.add_argument("--compile-pass", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each attention kernel once before step 1 and time it apart (compile_s; default: "
+                             "where a step is timed, --steps > --warmup-steps)")
     parser.add_argument("--rank", type=non_negative_int, default=0, help="the rank to emulate (default 0)")
     parser.add_argument("--no-attention-timing", action="store_true",
                         help="do not time the attention modules (no per-module CUDA synchronisation)")
@@ -91,9 +108,18 @@ def _gib(n: float | None) -> str:
     return f"{n / 2**20:9.3f} MiB"
 
 
+def _kept_lines(m) -> list[str]:
+    """Which blocks keep their attention (``keep_attention``), measured and in the full model."""
+    kept = m.kept_attention
+    if not kept:
+        return []
+    return [f"  kept attn.   full model: {kept['device_blocks']} blocks on the device, {kept['host_blocks']} on the "
+            f"host, {_gib(kept['bytes_per_block']).strip()} each; measured: {kept['measured_device']} on the device, "
+            f"{kept['measured_host']} on the host (the extrapolation places the rest: titan_upipe.emulate.extrapolate)"]
+
+
 def report_lines(m) -> list[str]:
     """The human-readable report of a ``StepMeasurement``."""
-    full = m.full
     how = "emulated (fake process group)" if m.fake else "measured (real process group)"
     u = f", U = {m.heads_per_stage}" if m.heads_per_stage else ""
     lines = [
@@ -102,8 +128,44 @@ def report_lines(m) -> list[str]:
         f"{m.ring_degree}{u}), FSDP over {m.dp_shard * m.cp_degree} ranks, seq_len {m.seq_len} x batch {m.batch} "
         f"({m.local_tokens} tokens on this rank), {m.param_dtype}, AC {m.activation_checkpoint}"
         + (", attention block_causal (packed documents, their mask on every rank)" if m.documents else ""),
-        f"  layers       {m.n_layers} measured, {m.n_layers_full} in the full model; step {m.steps} of {m.steps}",
+        f"  layers       {m.n_layers} measured, {m.n_layers_full} in the full model",
+        *_kept_lines(m),
+        *step_lines(m),
         "",
+    ]
+    lines += _memory_lines(m) + [""] + _time_lines(m)
+    if m.device_total_bytes and m.full.device_peak_allocated_bytes and \
+            m.full.device_peak_allocated_bytes > m.device_total_bytes:
+        lines.append(f"  the full model's peak exceeds this device's {_gib(m.device_total_bytes).strip()}: it would OOM")
+    return lines
+
+
+def step_lines(m) -> list[str]:
+    """Which step is reported, what the first uses cost, and whether kernels compiled while timed."""
+    timed = len(m.step_times_s)
+    lines = [f"  steps        {m.steps}: {m.warmup_steps} warm-up (untimed), {timed} timed "
+             f"({', '.join(f'{t:.3f}' for t in m.step_times_s)} s), the median reported" if timed else
+             f"  steps        {m.steps}, none timed after a warm-up (--warmup-steps {m.warmup_steps}): the last reported"]
+    first = f"first step {m.first_step_time_s:.3f} s"
+    lines.append(f"  first use    {first}" + ("" if m.compile_s is None else
+                                             f", after the kernels' compile pass {m.compile_s:.3f} s (before step 1)"))
+    if not m.warm:
+        lines.append("  NOT WARM: no untimed step before the reported one; its time includes first uses (kernel "
+                     "compilation, library set-up) and is no steady state: use --steps 3 for times")
+    compiles = m.kernel_compiles_during_timed_steps
+    counted = ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}" for k, v in m.kernel_compiles.items())
+    lines.append(f"  compiled     {counted} (counted: torch.compile graphs, FlashAttention-4 kernels"
+                 + (f"; not counted: {', '.join(m.kernel_compiles_uncounted)})" if m.kernel_compiles_uncounted
+                    else ")"))
+    if compiles:
+        lines.append(f"  WARNING: {compiles} kernel(s) compiled during the timed steps: their times include "
+                     "compilation; run more --warmup-steps")
+    return lines
+
+
+def _memory_lines(m) -> list[str]:
+    full = m.full
+    lines = [
         f"  memory (per rank)               {'measured':>13}   {'full model':>13}",
         f"  peak allocated                  {_gib(m.device_peak_allocated_bytes)}   "
         f"{_gib(full.device_peak_allocated_bytes)}   (CUDA allocator)",
@@ -118,12 +180,24 @@ def report_lines(m) -> list[str]:
     ]
     for phase, value in m.phase_peak_bytes.items():
         lines.append(f"      {phase:<26}{_gib(value)}   {_gib(full.phase_peak_bytes.get(phase))}")
-    lines += [
+    return lines + [
         f"    activations kept per block  {_gib(m.retained_bytes_per_layer)}",
         f"  host offload (block inputs)     {_gib(m.host_offload_bytes)}   {_gib(full.host_offload_bytes)}",
-        "",
-        f"  time (s)                        {'measured':>13}   {'full model':>13}",
+    ]
+
+
+def _time_lines(m) -> list[str]:
+    full = m.full
+    optimizer = m.phase_time_s["optimizer"]
+    once = m.step_time_s - m.block_time_s * m.n_layers - optimizer
+    which = "median timed step" if m.warm else "a cold step"
+    lines = [
+        f"  time (s, {which})" + " " * (22 - len(which)) + f"{'measured':>13}   {'full model':>13}",
         f"  step (compute)                  {m.step_time_s:13.3f}   {full.step_time_s:13.3f}",
+        f"    one block (fwd + bwd)         {m.block_time_s:13.3f}   {full.block_time_s:13.3f}   "
+        f"(x {m.n_layers} measured, x {full.n_layers} full)",
+        f"    embedding, head, loss         {once:13.3f}   {full.once_time_s:13.3f}   (once per step)",
+        f"    optimizer (clip + step)       {optimizer:13.3f}   {full.optimizer_time_s:13.3f}   (x parameter bytes)",
         f"    attention                     {m.attention_time_s:13.3f}   {full.attention_time_s:13.3f}   "
         f"(fwd {m.attention_forward_time_s:.3f}, bwd {m.attention_backward_time_s:.3f})",
         f"    other compute                 {m.other_compute_time_s:13.3f}   {full.other_compute_time_s:13.3f}",
@@ -133,10 +207,14 @@ def report_lines(m) -> list[str]:
            f"{m.p2p_gbps:g} GB/s" if m.p2p_bytes else ""),
         f"  step + communication            {m.step_time_s + m.comm_time_s:13.3f}   {full.modeled_step_time_s:13.3f}",
     ]
+    if m.second_a2a_gbps is not None:
+        label = f"at {m.second_a2a_gbps:g} GB/s"
+        lines += [f"  communication {label:<18}{m.second_comm_time_s:13.3f}   {full.second_comm_time_s:13.3f}   "
+                  "(the all-to-all at the second bandwidth)",
+                  f"  step + communication {label:<11}{m.step_time_s + m.second_comm_time_s:13.3f}   "
+                  f"{full.second_modeled_step_time_s:13.3f}"]
     if not m.fake:
         lines.append("  (real run: the measured times already include the communication)")
-    if m.device_total_bytes and full.device_peak_allocated_bytes and full.device_peak_allocated_bytes > m.device_total_bytes:
-        lines.append(f"  the full model's peak exceeds this device's {_gib(m.device_total_bytes).strip()}: it would OOM")
     return lines
 
 
@@ -200,14 +278,18 @@ def summarize(paths: list[str], paper_csv: str) -> list[str]:
                        f"| - | - | {cell(p5, '.2f')} | {cell(p5a, '.2f')} |")
             continue
         full = r["full"]
-        steps[(method, length)] = full["modeled_step_time_s"]
+        if r.get("warm"):  # no ratio from a cold step (first uses inside it)
+            steps[(method, length)] = full["modeled_step_time_s"]
         out.append(
             f"| {method} | {length} | {r['n_layers']} of {full['n_layers']} | "
             f"{cell(size(full['device_peak_allocated_bytes']), '.2f')} | "
             f"{cell(size(full['device_peak_reserved_bytes']), '.2f')} | {cell(size(full['total_peak_bytes']), '.2f')} | "
-            f"{cell(p4, '.2f')} | {full['modeled_step_time_s']:.2f} | {full['comm_time_s']:.2f} | "
-            f"{cell(p5, '.2f')} | {cell(p5a, '.2f')} |"
+            f"{cell(p4, '.2f')} | {full['modeled_step_time_s']:.2f}{'' if r.get('warm') else ' (cold)'} | "
+            f"{full['comm_time_s']:.2f} | {cell(p5, '.2f')} | {cell(p5a, '.2f')} |"
         )
+    if any(not r.get("oom") and not r.get("warm") for r in records):
+        out += ["", "(cold): a single step with no untimed warm-up before it (`--steps 1`): first-use kernel "
+                "compilation and set-up inside it; no ratio is computed from it (time with `--steps 3`)"]
     lengths = sorted({length for (_, length) in steps}, key=lambda x: (x[-1] != "K", float(x[:-1] or 0)))
     ratios = [length for length in lengths if ("upipe", length) in steps and ("ulysses", length) in steps]
     if ratios:
@@ -268,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     owns_group = real and _start_process_group()
     try:
         m = measure_step(job_config, options.cp_world, fake=not real, n_layers=options.n_layers,
-                         steps=options.steps, rank=options.rank, a2a_gbps=options.a2a_gbps,
-                         p2p_gbps=options.p2p_gbps, time_attention=not options.no_attention_timing,
-                         full_layers=options.full_layers)
+                         steps=options.steps, warmup_steps=options.warmup_steps, compile_pass=options.compile_pass,
+                         rank=options.rank, second_a2a_gbps=options.a2a_gbps, p2p_gbps=options.p2p_gbps,
+                         time_attention=not options.no_attention_timing, full_layers=options.full_layers)
     except torch.OutOfMemoryError as err:
         message = str(err).splitlines()[0]
         record = {"oom": True, "config": job_config.job.config_file, "cp_mode": cp_mode(job_config.model.converters),
@@ -286,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         if options.json:
             record = m.to_dict()
             record["modeled_step_time_s"] = m.step_time_s + m.comm_time_s
+            record["second_modeled_step_time_s"] = (None if m.second_comm_time_s is None
+                                                    else m.step_time_s + m.second_comm_time_s)
             record["oom"] = False
             print(json.dumps(record))
         else:

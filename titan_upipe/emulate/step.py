@@ -3,9 +3,11 @@
 ``zero_grad``; the global batch created on the device and sharded in the converted
 attention's layout; forward; ``loss = loss_fn(pred, labels) / global_tokens``; ``del pred``;
 ``backward``; ``clip_grad_norm_`` (foreach); ``optimizer.step()``. The tracker's peak is
-read and reset at each phase boundary; block forwards are bracketed by :class:`BlockMemory`
-and attention modules timed by :class:`AttentionTimer`. The result is a :class:`StepResult`
-(definitions of every quantity: the ``titan_upipe.emulate`` docstring).
+read and reset at each phase boundary; block forwards are bracketed by :class:`BlockMemory`,
+blocks and attention modules timed by ``timers.BlockTimer`` and ``timers.AttentionTimer``
+(:class:`StepHooks` installs all three). :func:`run_steps` runs the compile pass, the warm-up
+and the timed steps and returns a ``StepSeries`` of :class:`StepResult` (definitions of every
+quantity: the ``titan_upipe.emulate`` docstring).
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ import torch
 from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
+from titan_upipe.attention.kernel_compiles import compiled_kernels, compiles_between
+from titan_upipe.emulate.compile_pass import run_compile_pass
 from titan_upipe.emulate.rank import TrainingRank
+from titan_upipe.emulate.series import StepSeries
+from titan_upipe.emulate.timers import AttentionTimer, BlockTimer
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import prepare_cp_batch
 from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
@@ -34,46 +40,6 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass
-class AttentionTimer:
-    """Wall time inside the converted attention modules (forward hooks; backward via
-    gradient hooks on the module output, whose gradient starts its backward, and input,
-    whose gradient ends it)."""
-
-    sync: Callable[[], None]
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    _calls: dict[int, tuple[float, dict[str, float] | None]] = field(default_factory=dict)
-
-    def pre_forward(self, module, args, kwargs):
-        self.sync()
-        start = time.perf_counter()
-        x = args[0] if args else kwargs.get("x")
-        box: dict[str, float] | None = None
-        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
-            box = {}  # this call's backward start, set by the output's gradient hook
-
-            def end_backward(grad):
-                self.sync()
-                if "start" in box:
-                    self.backward_s += time.perf_counter() - box.pop("start")
-
-            x.register_hook(end_backward)
-        self._calls[id(module)] = (start, box)
-
-    def post_forward(self, module, args, kwargs, output):
-        self.sync()
-        start, box = self._calls.pop(id(module))
-        self.forward_s += time.perf_counter() - start
-        if box is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-
-            def start_backward(grad):
-                self.sync()
-                box["start"] = time.perf_counter()
-
-            output.register_hook(start_backward)
-
-
-@dataclass
 class _BlockForward:
     """One block forward: the tracked bytes it added (output included), its output's and input's
     bytes, and a weak reference to the input's storage (alive at the end of forward only if
@@ -84,6 +50,8 @@ class _BlockForward:
     input_bytes: int
     input_storage: weakref.ref | None
     resident: bool
+    keeps_on_device: bool = False
+    """The block keeps its attention on the device (``keep_attention``): its kept bytes are in ``delta``."""
 
 
 @dataclass
@@ -100,8 +68,8 @@ class BlockMemory:
     tracker: StepTracker | None = None
     active: bool = False
     forwards: list[_BlockForward] = field(default_factory=list)
-    retained: list[tuple[float, bool]] = field(default_factory=list)
-    """(bytes kept, resident) per block, settled at the end of forward."""
+    retained: list[tuple[float, bool, bool]] = field(default_factory=list)
+    """(bytes kept, resident, keeps its attention on the device) per block, settled at the end of forward."""
     _before: dict[int, tuple[int, Tensor | None]] = field(default_factory=dict)
 
     def pre(self, module, args, kwargs):
@@ -116,7 +84,8 @@ class BlockMemory:
             before, x = self._before.pop(id(module))
             self.forwards.append(_BlockForward(
                 self.tracker.device_bytes() - before, storage_bytes([output]), storage_bytes([x]),
-                None if x is None else weakref.ref(x.untyped_storage()), bool(getattr(module, "resident", False))))
+                None if x is None else weakref.ref(x.untyped_storage()), bool(getattr(module, "resident", False)),
+                getattr(module, "keep", None) == "device"))
 
     def clear(self) -> None:
         self.forwards.clear()
@@ -126,7 +95,8 @@ class BlockMemory:
         """At the end of forward (the blocks' inputs are released or kept by now)."""
         for f in self.forwards:
             kept_input = f.input_storage is not None and f.input_storage() is not None
-            self.retained.append((f.delta - f.output_bytes + (f.input_bytes if kept_input else 0), f.resident))
+            self.retained.append((f.delta - f.output_bytes + (f.input_bytes if kept_input else 0), f.resident,
+                                  f.keeps_on_device))
         self.forwards.clear()
 
     def retained_per_layer(self) -> float:
@@ -134,9 +104,18 @@ class BlockMemory:
         ``resident_blocks`` are resident in any depth), after the first (it also holds FSDP's
         all-gather buffer replacing the (smaller) embedding's one: FSDP keeps the last
         all-gather buffer until the next all-gather) where there is another."""
-        offloaded = [kept for kept, resident in self.retained if not resident] or [k for k, _ in self.retained]
-        pool = offloaded[1:] if len(offloaded) > 1 else offloaded
-        return sum(pool) / len(pool) if pool else 0.0
+        pool = self._pool()
+        return sum(kept for kept, _ in pool) / len(pool) if pool else 0.0
+
+    def keeping_fraction(self) -> float:
+        """Of ``retained_per_layer``'s blocks, the share that keep their attention on the device."""
+        pool = self._pool()
+        return sum(keeps for _, keeps in pool) / len(pool) if pool else 0.0
+
+    def _pool(self) -> list[tuple[float, bool]]:
+        offloaded = [(kept, keeps) for kept, resident, keeps in self.retained if not resident]
+        offloaded = offloaded or [(kept, keeps) for kept, _, keeps in self.retained]
+        return offloaded[1:] if len(offloaded) > 1 else offloaded
 
 
 @dataclass(frozen=True)
@@ -153,8 +132,16 @@ class StepResult:
     end_bytes: int
     host_offload_bytes: int
     retained_bytes_per_layer: float
+    retained_keeping_fraction: float
+    """Of the blocks ``retained_bytes_per_layer`` averages, the share that keep their attention on the device."""
+    kept_attention_host_bytes: int
+    """Of ``host_offload_bytes``, the attention results kept on the host (``keep_attention``)."""
     attention_forward_time_s: float
     attention_backward_time_s: float
+    block_forward_time_s: float
+    """Inside the transformer blocks' forwards, all blocks (recomputation is backward's)."""
+    block_backward_time_s: float
+    """Inside the blocks' backwards (recomputation included), all blocks."""
     device_peak_allocated_bytes: int | None
     device_peak_reserved_bytes: int | None
     loss: float | None
@@ -170,6 +157,15 @@ class StepResult:
     @property
     def attention_time_s(self) -> float:
         return self.attention_forward_time_s + self.attention_backward_time_s
+
+    @property
+    def blocks_time_s(self) -> float:
+        """Inside the transformer blocks, forward and backward, all blocks together."""
+        return self.block_forward_time_s + self.block_backward_time_s
+
+    @property
+    def optimizer_time_s(self) -> float:
+        return self.phase_time_s["optimizer"]
 
 
 @dataclass
@@ -208,29 +204,29 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
     return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs())
 
 
-def _forward_loss(rank: TrainingRank, batch: _Batch, global_tokens: float, blocks: BlockMemory) -> torch.Tensor:
+def _forward_loss(rank: TrainingRank, batch: _Batch, global_tokens: float, hooks: StepHooks) -> torch.Tensor:
     """``loss_fn(model(shard), labels) / global_tokens``; the prediction is freed before backward."""
-    blocks.active = True
+    hooks.blocks.active = hooks.block_times.active = True
     with rank.amp:
         pred = rank.model(batch.local_inputs, **batch.extra)
         loss = rank.loss_fn(pred, batch.local_labels) / global_tokens
     del pred
-    blocks.active = False
-    blocks.settle()
+    hooks.blocks.active = hooks.block_times.active = False
+    hooks.blocks.settle()
     return loss
 
 
-def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, fake: bool, timers: AttentionTimer,
-               blocks: BlockMemory) -> StepResult:
+def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, fake: bool,
+               hooks: StepHooks) -> StepResult:
     """One training step under a ``StepTracker``; the trainer's ``train_step`` order."""
     is_cuda = device.type == "cuda"
-    sync = timers.sync
+    sync, blocks = hooks.sync, hooks.blocks
     params = rank.params
     par = rank.parallel_dims
     global_tokens = float(job_config.training.local_batch_size * job_config.training.seq_len
                           * par.dp_shard * par.dp_replicate)
     cp_mesh = sequence_mesh(rank.model) if par.cp_enabled else None
-    offload_start = OFFLOAD_STATS.host_bytes
+    offload_start, kept_start = OFFLOAD_STATS.host_bytes, OFFLOAD_STATS.kept_attention_bytes
 
     def offloaded() -> int:
         return OFFLOAD_STATS.host_bytes - offload_start
@@ -239,7 +235,8 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
         return offloaded() - OFFLOAD_STATS.prefetched_bytes
 
     rank.optimizers.zero_grad()
-    timers.forward_s = timers.backward_s = 0.0
+    hooks.attention.reset()
+    hooks.block_times.reset()
     blocks.clear()
     sync()
     if is_cuda:
@@ -252,10 +249,11 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
     with tracker:
         t0 = time.perf_counter()
         batch = _device_batch(rank, job_config, device, step, cp_mesh)
-        loss = _forward_loss(rank, batch, global_tokens, blocks)
+        loss = _forward_loss(rank, batch, global_tokens, hooks)
         sync()
         t1 = time.perf_counter()
         host_offload = offloaded()
+        kept_on_host = OFFLOAD_STATS.kept_attention_bytes - kept_start
         peaks["forward"] = (tracker.peak_bytes, tracker.device_peak_op)
         tracker.reset_peak()
         loss.backward()
@@ -286,34 +284,77 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
         end_bytes=end_bytes,
         host_offload_bytes=host_offload,
         retained_bytes_per_layer=blocks.retained_per_layer(),
-        attention_forward_time_s=timers.forward_s,
-        attention_backward_time_s=timers.backward_s,
+        retained_keeping_fraction=blocks.keeping_fraction(),
+        kept_attention_host_bytes=kept_on_host,
+        attention_forward_time_s=hooks.attention.forward_s,
+        attention_backward_time_s=hooks.attention.backward_s,
+        block_forward_time_s=hooks.block_times.forward_s,
+        block_backward_time_s=hooks.block_times.backward_s,
         device_peak_allocated_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,
         device_peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if is_cuda else None,
         loss=loss_value,
     )
 
 
-def run_steps(rank: TrainingRank, job_config, device: torch.device, *, steps: int, fake: bool,
-              time_attention: bool) -> StepResult:
-    """``steps`` training steps with the block (and, with ``time_attention``, attention) hooks
-    installed; the last step's result."""
-    timers = AttentionTimer(lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
-    blocks = BlockMemory()
-    handles = []
-    if time_attention:
-        for module in rank.model.modules():
-            if isinstance(module, ContextParallelAttention):
-                handles.append(module.register_forward_pre_hook(timers.pre_forward, with_kwargs=True))
-                handles.append(module.register_forward_hook(timers.post_forward, with_kwargs=True))
-    for block in rank.model.layers.values():
-        # Before FSDP's pre-forward (all-gather) and after its post-forward (reshard).
-        handles.append(block.register_forward_pre_hook(blocks.pre, with_kwargs=True, prepend=True))
-        handles.append(block.register_forward_hook(blocks.post, with_kwargs=True))
+@dataclass
+class StepHooks:
+    """The hooks of a measured step: block memory, block times and (optionally) attention times."""
+
+    sync: Callable[[], None]
+    blocks: BlockMemory = field(default_factory=BlockMemory)
+    block_times: BlockTimer = field(init=False)
+    attention: AttentionTimer = field(init=False)
+    handles: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.block_times, self.attention = BlockTimer(self.sync), AttentionTimer(self.sync)
+
+    def install(self, model: torch.nn.Module, time_attention: bool) -> None:
+        if time_attention:
+            for module in model.modules():
+                if isinstance(module, ContextParallelAttention):
+                    self.handles.append(module.register_forward_pre_hook(self.attention.pre_forward, with_kwargs=True))
+                    self.handles.append(module.register_forward_hook(self.attention.post_forward, with_kwargs=True))
+        for block in model.layers.values():
+            # Memory before FSDP's pre-forward (all-gather) and after its post-forward (reshard);
+            # the block's clock inside the memory hooks (their tracker refresh is not block time).
+            self.handles.append(block.register_forward_pre_hook(self.block_times.pre_forward, with_kwargs=True,
+                                                                prepend=True))
+            self.handles.append(block.register_forward_pre_hook(self.blocks.pre, with_kwargs=True, prepend=True))
+            self.handles.append(block.register_forward_hook(self.block_times.post_forward, with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self.blocks.post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def run_steps(rank: TrainingRank, job_config, device: torch.device, *, steps: int, warmup_steps: int, fake: bool,
+              time_attention: bool, compile_pass: bool, compute_dtype: torch.dtype) -> StepSeries:
+    """With ``compile_pass``, the attention kernels' first use (``compile_pass.py``), then ``steps``
+    training steps, the first ``warmup_steps`` of them untimed, with the hooks installed; the
+    compile counters (``attention.kernel_compiles``) are sampled around the pass, the warm-up
+    and the timed steps."""
+    hooks = StepHooks(lambda: torch.cuda.synchronize(device) if device.type == "cuda" else None)
+    samples = [compiled_kernels()]
+    compile_s = None
+    if compile_pass:
+        compile_s = run_compile_pass(rank.model, job_config.training.local_batch_size, job_config.training.seq_len,
+                                     compute_dtype, device, hooks.sync)
+    samples.append(compiled_kernels())
+    results = []
+    hooks.install(rank.model, time_attention)
     try:
         for step in range(steps):
-            result = train_step(rank, job_config, device, step, fake, timers, blocks)
+            if step == warmup_steps:
+                samples.append(compiled_kernels())
+            results.append(train_step(rank, job_config, device, step, fake, hooks))
     finally:
-        for handle in handles:
-            handle.remove()
-    return result
+        hooks.remove()
+    samples.append(compiled_kernels())
+    timed = steps > warmup_steps
+    compiles = {"compile_pass": compiles_between(samples[0], samples[1]) if compile_pass else None,
+                "warmup_steps": compiles_between(samples[1], samples[2]) if warmup_steps else None,
+                "timed_steps": compiles_between(samples[-2], samples[-1]) if timed else None}
+    return StepSeries(tuple(results), warmup_steps, compile_s, compiles)

@@ -70,11 +70,14 @@ def _mlp_tiles(s: StepSizes) -> Terms:
 
 
 def block_forward_peak(s: StepSizes, att: AttentionTerms, grad: bool,
-                       block_output: bool = True) -> tuple[str, Terms]:
+                       block_output: bool = True, kept: int = 0) -> tuple[str, Terms]:
     """(where, terms) of the largest moment inside one block's forward, beyond its input.
     ``block_output=False``: the recomputation of offloaded AC, which stops before the final
-    residual add (``offload.OffloadedFeedForwardHalf``)."""
+    residual add (``offload.OffloadedFeedForwardHalf``). ``kept``: the bytes of the attention
+    results the block keeps (``kept_attention_bytes``), alive from its attention on (in the
+    attention's own moment they are its output and LSE, counted there)."""
     job, m, u = s.job, s.model, s.hidden
+    kept_terms: Terms = {Term.KEPT_ATTENTION: kept} if kept else {}
     cands: list[tuple[str, Terms]] = []
     if grad:
         n1 = norm_out(s, ATTENTION_NORM)
@@ -95,9 +98,9 @@ def block_forward_peak(s: StepSizes, att: AttentionTerms, grad: bool,
         else:
             mlp = (_mlp_tiles(s) if job.tiled_mlp else
                    {Term.MLP_NOGRAD: 3 * s.tokens * m.ffn_dim * s.act_bytes, Term.MLP_OUT_W2: u})
-        cands.append(("MLP (no grad)", {Term.RESIDUAL: u, Term.FFN_NORM_OUT: u, **mlp}))
+        cands.append(("MLP (no grad)", {Term.RESIDUAL: u, Term.FFN_NORM_OUT: u, **mlp, **kept_terms}))
         cands.append(("residual add after the MLP (no grad)", {Term.RESIDUAL: u, Term.MLP_OUT: u,
-                                                               Term.BLOCK_OUT: u}))
+                                                               Term.BLOCK_OUT: u, **kept_terms}))
     return max(cands, key=lambda c: sum(c[1].values()))
 
 
@@ -137,17 +140,24 @@ def prefetches(job: PlanInput, block: int, n_layers: int) -> bool:
     return job.offloaded and 1 <= block <= n_layers - job.resident_blocks
 
 
-def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool) -> list[BlockMoment]:
+def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool,
+                           prefetch_kept: int = 0) -> list[BlockMoment]:
     """The moments inside one block's backward, beyond the activations of the blocks before it
     (``below``) and the state. Includes the gradient arriving from the block above and, with
     ``prefetch`` (offloaded AC, the block below offloaded: ``prefetches``), that block's input
-    copied to the device ahead of its backward (on CPU the emulator counts it from the same moment)."""
+    copied to the device ahead of its backward (on CPU the emulator counts it from the same moment);
+    ``prefetch_kept``: the bytes of the block below's kept attention, copied back with its input
+    (it keeps them on the host). This block's own kept attention is its recomputed attention's
+    output and LSE (``att.saved``)."""
     job, m, u, p = s.job, s.model, s.hidden, s.weight_bytes
     common: Terms = {Term.GRAD_BLOCK_OUT: u}
+    arriving: Terms = {Term.PREFETCHED_INPUT: u} if prefetch else {}
+    if prefetch_kept:
+        arriving[Term.PREFETCHED_KEPT_ATTENTION] = prefetch_kept
     if job.ac_mode == "full":
         common[Term.RECOMPUTE_INPUT] = u
-        if prefetch and not job.prefetch_after_attention:
-            common[Term.PREFETCHED_INPUT] = u
+        if not job.prefetch_after_attention:
+            common.update(arriving)
     n1, n2 = norm_out(s, ATTENTION_NORM), norm_out(s, FFN_NORM)
     h = {Term.RESIDUAL: u}
     # 1) MLP backward (everything of the block still saved)
@@ -169,8 +179,8 @@ def block_backward_moments(s: StepSizes, att: AttentionTerms, prefetch: bool) ->
     for where, terms in att.backward:
         moments.append(BlockMoment(f"attention backward ({where})",
                                    {**attention_common, **n1, Term.GRAD_RESIDUAL: u, **terms}, grads))
-    if prefetch and job.prefetch_after_attention:
+    if arriving and job.prefetch_after_attention:
         # The late prefetch: the block's dX and its recomputed input, the next block's input arriving.
         moments.append(BlockMoment("next block's input prefetched (after the attention backward)",
-                                   {**attention_common, Term.GRAD_RESIDUAL: u, Term.PREFETCHED_INPUT: u}, grads))
+                                   {**attention_common, Term.GRAD_RESIDUAL: u, **arriving}, grads))
     return moments

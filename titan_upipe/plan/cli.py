@@ -11,15 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 from titan_upipe.attention.backends import BACKENDS
 from titan_upipe.errors import exit_once
 from titan_upipe.parallel.document_layout import DOCUMENT_BALANCES
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput, as_tsp
-from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.plan.job_config import (
+    async_checkpoint_staging_bytes,
+    keep_host_budget,
+    plan_input_from_job_config,
+)
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import make_plot, render, summary
+from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB
 from titan_upipe.tools.cli_args import (
@@ -30,6 +35,7 @@ from titan_upipe.tools.cli_args import (
     positive_size,
     token_count,
 )
+from titan_upipe.torchtitan_0_2.checks.keep_attention import KEEP_ATTENTION, keep_setting
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
@@ -95,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resident-blocks", type=non_negative_int, default=0,
                         help="--model only: the last N blocks keep their input on the device "
                              "([activation_checkpoint] resident_blocks = N)")
+    parser.add_argument("--keep-attention", choices=KEEP_ATTENTION, default="off",
+                        help="--model only: blocks keep their attention's output and LSE instead of recomputing "
+                             "it ([activation_checkpoint] keep_attention; auto: on the GPU as many as fit --gpu-mem, "
+                             "then on the host as many as fit --host-mem)")
+    parser.add_argument("--keep-attention-blocks", type=non_negative_int, default=None,
+                        help="--model only: at most this many blocks keep (default: as many as fit)")
     parser.add_argument("--kv-heads-per-bucket", type=int, default=0,
                         help="--model --mode tsp only: KV heads per K/V all-gather ([tsp] kv_heads_per_bucket; 0: all)")
     parser.add_argument("--no-mlp-recompute", action="store_true",
@@ -115,26 +127,67 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bool) -> tuple[PlanInput, str | None]:
-    """(the job, the paper model whose Table 4 points to plot) from a TOML or ``--model``."""
+def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bool
+         ) -> tuple[PlanInput, str | None, KeepRequest]:
+    """(the job, the paper model whose Table 4 points to plot, the kept attention it asks for) from
+    a TOML or ``--model``."""
     if from_config:
         job_config = parse_config(rest, quiet=True)
         job = plan_input_from_job_config(job_config, args.world_size, args.device)
         job = replace(job, gpus_per_node=args.gpus_per_node)
         paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items()
                             if (name, flavor) == (job_config.model.name, job_config.model.flavor)), None)
+        keep = KeepRequest(*keep_setting(job_config), async_checkpoint_staging_bytes(job_config, job))
     else:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         job = _model_job(args)
         paper_model = args.model if args.model in KNOWN_MODELS else None
+        keep = KeepRequest(args.keep_attention, args.keep_attention_blocks)
     if args.reserve_gib is not None:
         job = replace(job, reserve_bytes=int(args.reserve_gib * GIB))
     if args.documents:
         job = replace(job, documents=True)
     if args.document_balance is not None:
         job = replace(job, document_balance=args.document_balance)
-    return job, paper_model
+    return job, paper_model, keep
+
+
+@dataclass(frozen=True)
+class KeepRequest:
+    """``[activation_checkpoint] keep_attention`` and ``keep_attention_blocks`` (None: auto)."""
+
+    where: str
+    blocks: int | None
+    staging_bytes: int = 0
+    """Host bytes of a node an async checkpoint stages (``job_config.async_checkpoint_staging_bytes``)."""
+
+    @property
+    def sized_by_planner(self) -> bool:
+        return self.where != "off" and self.blocks != 0 and (self.where == "auto" or self.blocks is None)
+
+    def sized(self, job: PlanInput, gpu_mem_bytes: float | None, host_mem_bytes: float | None
+              ) -> tuple[PlanInput, str | None]:
+        """``job`` with its kept blocks: stated, or sized as the launch sizes them
+        (``job_config.size_keep_attention_of_job``) for the GPU (default ``PLAN_GPU_GIB``, with a note
+        saying so) and the host memory (none given: not limited)."""
+        if self.where == "off" or self.blocks == 0:
+            return replace(job, keep_device_blocks=0, keep_host_blocks=0), None
+        if self.where in ("device", "host") and self.blocks is not None:
+            counts = {"keep_device_blocks": self.blocks} if self.where == "device" else {"keep_host_blocks": self.blocks}
+            return replace(job, **{"keep_device_blocks": 0, "keep_host_blocks": 0, **counts}), None
+        note = None
+        if gpu_mem_bytes is None:
+            gpu_mem_bytes = PLAN_GPU_GIB * GIB
+            note = (f"keep_attention = {self.where}: sized for a {PLAN_GPU_GIB:g} GiB GPU (the paper's H100; --gpu-mem "
+                    "for another)" + ("" if host_mem_bytes else " and no host memory limit (--host-mem)"))
+        keep = size_keep_attention(job, self.where, self.blocks, gpu_mem_bytes,
+                                   keep_host_budget(host_mem_bytes, self.staging_bytes))
+        return replace(job, keep_device_blocks=keep.device_blocks, keep_host_blocks=keep.host_blocks), note
+
+
+PLAN_GPU_GIB = 80.0
+"""The GPU an ``auto`` keep plan is sized for when ``--gpu-mem`` is not given."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     if from_config == bool(args.model):
         parser.error("give either --job.config_file X.toml [--section.key value ...] or --model NAME")
     try:
-        job, paper_model = _job(parser, args, rest, from_config)
+        job, paper_model, keep = _job(parser, args, rest, from_config)
         gpu = args.gpu_mem * GIB if args.gpu_mem is not None else None
         host = args.host_mem * GIB if args.host_mem is not None else None
+        job, keep_note = keep.sized(job, gpu, host)
         result = plan(job, host)
-        info = summary(result, gpu, host)
+        if keep_note:
+            result.notes.append(keep_note)
+        info = summary(result, gpu, host, keep.where, paper_model, keep.sized_by_planner)
     except ValueError as err:  # ConfigError included: the job's settings, as validate words them
         raise exit_once(TOOL, str(err)) from None
     if args.plot:

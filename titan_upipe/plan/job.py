@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from titan_upipe.attention.keep import KeepAttentionPlan
 from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, valid_heads_per_stage
 from titan_upipe.plan.dims import ModelDims
 from titan_upipe.plan.units import GIB
@@ -109,6 +110,11 @@ class PlanInput:
     prefetch_after_attention: bool = False
     """``[activation_checkpoint] prefetch_after_attention``: the next block's input is fetched from
     the host after this block's attention backward, so it is not on the device at the peak."""
+    keep_device_blocks: int = 0
+    """``[activation_checkpoint] keep_attention``, sized: the last N blocks keep their attention's
+    output and LSE on the device from forward to backward (``attention.keep``)."""
+    keep_host_blocks: int = 0
+    """The blocks below those keep them in host memory (prefetched with the block input)."""
     device: str = "cuda"
     """``cuda``: flash kernels' workspaces, offload prefetch stream; ``cpu``: composite ops (gloo runs)."""
     gpus_per_node: int = 8
@@ -221,6 +227,11 @@ class PlanInput:
     def offloaded(self) -> bool:
         return self.ac_mode == "full" and self.cpu_offload
 
+    @property
+    def keep(self) -> KeepAttentionPlan:
+        """Which blocks keep their attention, and where (``attention.keep.KeepAttentionPlan``)."""
+        return KeepAttentionPlan(self.keep_device_blocks, self.keep_host_blocks)
+
     def check(self) -> None:
         """ValueError naming the first problem: the mode, the counts and the Ulysses degree, then
         CPLayout's head checks (ConfigError: heads, K/V heads, U), then the sequence and ranks."""
@@ -243,6 +254,12 @@ class PlanInput:
             raise ValueError(f"seq_len {self.seq_len} is not a multiple of {self.seq_unit}")
         if self.ranks % self.cp:
             raise ValueError(f"world size {self.ranks} is not a multiple of cp {self.cp}")
+        if self.keep.blocks and not (self.offloaded and self.degrees.mode is not None):
+            raise ValueError("kept attention (keep_attention, --keep-attention) needs offloaded full AC and a "
+                             "context-parallel mode: set activation_checkpoint.mode = \"full\" with cpu_offload = "
+                             "true (drop --no-transforms) and a CP converter, or keep_attention = \"off\"")
+        if self.keep.blocks > m.n_layers:
+            raise ValueError(f"{self.keep.blocks} blocks keep their attention, but the model has {m.n_layers}")
         if self.tsp:
             self.check_tsp()
 

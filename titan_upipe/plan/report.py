@@ -6,22 +6,60 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from titan_upipe.attention.keep import kept_attention_bytes
 from titan_upipe.plan.documents import documents_summary
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput, as_tsp
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import longest_fit, max_seq_len, recommended_heads_per_stage
+from titan_upipe.plan.sizes import StepSizes
+from titan_upipe.plan.speed import A2A_GBPS, MATMUL_TFLOPS, predicted_speeds
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.units import GIB, K, format_bytes, format_length, parse_length
-from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.tools.paper_tables import (
+    LENGTH_COLUMNS,
+    PAPER_TABLES_CSV,
+    cell_value,
+    paper_rows,
+    paper_value,
+)
 
 PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
 PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}
 """Table 4's methods drawn on the plot, by their labels' leading word."""
 
 
-def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: float | None) -> dict:
+def keep_summary(job: PlanInput, setting: str | None) -> dict:
+    """The kept attention of the plan (``attention.keep``): its setting, blocks and bytes."""
+    s = StepSizes.of(job)
+    per_block = kept_attention_bytes(s.tokens, job.model.n_heads, job.model.head_dim, s.act_bytes)
+    return {"setting": setting or "off", "device_blocks": job.keep_device_blocks, "host_blocks": job.keep_host_blocks,
+            "bytes_per_block": per_block, "text": job.keep.describe(job.model.n_layers)}
+
+
+def speed_summary(job: PlanInput, paper_model: str | None) -> dict | None:
+    """The predicted step and tokens/s per GPU with full recompute and as planned (``plan.speed``),
+    beside the paper's Table 3 (its model and method at this length, where it has the cell); None
+    for a CPU job (the prediction is a GPU's)."""
+    if job.device != "cuda":
+        return None
+    speeds = predicted_speeds(job)
+    rate = speeds["as planned"].rate
+    out: dict = {name: {"step_s": t.step_s, "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "attention_s": t.attention_s,
+                        "gemm_s": t.gemm_s, "head_s": t.head_s, "comm_s": t.comm_s} for name, t in speeds.items()}
+    out["attention_rate"] = {"backend": rate.backend, "arch": rate.arch, "fwd_tflops": rate.fwd_tflops,
+                             "bwd_tflops": rate.bwd_tflops, "basis": rate.basis}
+    out["matmul_tflops_assumed"], out["a2a_gbps"] = MATMUL_TFLOPS, A2A_GBPS
+    method = {"upipe-in-usp": "upipe"}.get(job.resolved_mode, job.resolved_mode)
+    paper = paper_value("3", paper_model, method, "throughput", format_length(job.seq_len)) if paper_model else None
+    out["paper_table3_tokens_per_s_per_gpu"] = paper
+    return out
+
+
+def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: float | None,
+            keep_setting: str | None = None, paper_model: str | None = None, keep_sized: bool = False) -> dict:
     """The plan as one dict (``--json``); with ``gpu_mem_bytes`` also the fit, the longest
-    sequence that fits and the recommended U."""
+    sequence that fits and the recommended U; the kept attention and, for a GPU job, the predicted
+    speed (``keep_summary``, ``speed_summary``)."""
     job = result.job
     out = {
         "model": job.model.name,
@@ -46,13 +84,18 @@ def summary(result: MemoryPlan, gpu_mem_bytes: float | None, host_mem_bytes: flo
         "host_pinned": result.host_pinned,
         "host_optimizer_gib_per_rank": result.host_optimizer_bytes_per_rank / GIB,
         "documents": documents_summary(job),
+        "keep_attention": keep_summary(job, keep_setting),
+        "predicted_speed": speed_summary(job, paper_model),
         "notes": result.notes,
     }
     if gpu_mem_bytes is not None:
         out["gpu_mem_gib"] = gpu_mem_bytes / GIB
         out["fits"] = result.fits(gpu_mem_bytes, host_mem_bytes)
-        out["max_seq_len_as_configured"] = max_seq_len(job, gpu_mem_bytes, host_mem_bytes)
-        out["max_seq_len"], out["max_seq_len_settings"] = longest_fit(job, gpu_mem_bytes, host_mem_bytes)
+        # the longest context: full recompute where the planner sizes the kept attention (``keep_sized``:
+        # it takes what fits at each length, maybe nothing)
+        full = replace(job, keep_device_blocks=0, keep_host_blocks=0) if keep_sized else job
+        out["max_seq_len_as_configured"] = max_seq_len(full, gpu_mem_bytes, host_mem_bytes)
+        out["max_seq_len"], out["max_seq_len_settings"] = longest_fit(full, gpu_mem_bytes, host_mem_bytes)
         u, ok = recommended_heads_per_stage(job, gpu_mem_bytes, host_mem_bytes)
         out["recommended_heads_per_stage"] = u
         out["recommended_heads_per_stage_fits"] = ok
@@ -92,6 +135,7 @@ def render(result: MemoryPlan, info: dict) -> str:
         lines.append(f"packed documents: document index {format_bytes(d['document_index_bytes'])} per rank (in every "
                      f"moment); transients: mask build {format_bytes(d['mask_build_bytes'])}, segments build "
                      f"{format_bytes(d['segments_build_bytes'])} (at block 0's first attention call)")
+    lines += _keep_and_speed_lines(info)
     pin = "pinned" if result.host_pinned else "pageable"
     moments = result.host_optimizer_bytes_per_rank
     what = f"offloaded block inputs, {pin}" + (f"; AdamW moments {moments / GIB:.1f} GiB per rank" if moments else "")
@@ -107,6 +151,29 @@ def render(result: MemoryPlan, info: dict) -> str:
         lines.append(f"recommended U (heads per stage): {info['recommended_heads_per_stage']}{ok}")
     lines.extend(f"note: {n}" for n in result.notes)
     return "\n".join(lines)
+
+
+def _keep_and_speed_lines(info: dict) -> list[str]:
+    """The kept attention and the predicted speed (``summary``'s ``keep_attention``, ``predicted_speed``)."""
+    keep, lines = info["keep_attention"], []
+    if keep["setting"] != "off":
+        lines.append(f"kept attention (keep_attention = {keep['setting']}): {keep['text']}, "
+                     f"{format_bytes(keep['bytes_per_block'])} per block and rank")
+    speed = info.get("predicted_speed")
+    if speed:
+        rate = speed["attention_rate"]
+        lines.append(f"predicted step ({rate['backend']} on {rate['arch'] or 'an unmeasured GPU'}: "
+                     f"{rate['fwd_tflops']:.0f} / {rate['bwd_tflops']:.0f} TFLOP/s fwd / bwd, {rate['basis']}; "
+                     f"GEMMs at an assumed {speed['matmul_tflops_assumed']:.0f} TFLOP/s; all-to-all at "
+                     f"{speed['a2a_gbps']:.0f} GB/s):")
+        for name in ("full recompute", "as planned"):
+            t = speed[name]
+            lines.append(f"  {name:<15} {t['step_s']:8.1f} s per step, {t['tokens_per_s_per_gpu']:7.0f} tokens/s/GPU "
+                         f"(attention {t['attention_s']:.1f} s, GEMMs {t['gemm_s']:.1f} s, head {t['head_s']:.1f} s, "
+                         f"communication {t['comm_s']:.1f} s)")
+        if speed["paper_table3_tokens_per_s_per_gpu"]:
+            lines.append(f"  paper Table 3 (8xH100, FA3): {speed['paper_table3_tokens_per_s_per_gpu']:.0f} tokens/s/GPU")
+    return lines
 
 
 def paper_table4(model: str) -> dict[str, dict[int, float | None]] | None:

@@ -1,4 +1,5 @@
-"""Searches over plans: the longest sequence that fits, and the UPipe head chunk U to use.
+"""Searches over plans: the longest sequence that fits, the UPipe head chunk U to use, and how many
+blocks keep their attention (``size_keep_attention``).
 
 Both rely on the peak growing with the sequence length (every activation term is linear in
 ``S``, the state is constant) and, for UPipe, with U (larger stages, larger buffers).
@@ -10,6 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
+from titan_upipe.attention.keep import KeepAttentionPlan
 from titan_upipe.parallel.cp_layout import valid_heads_per_stage
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.step import plan
@@ -92,3 +94,33 @@ def recommended_heads_per_stage(job: PlanInput, gpu_mem_bytes: float,
         if plan(replace(base, heads_per_stage=u), host_mem_bytes).fits(gpu_mem_bytes, host_mem_bytes):
             return u, True
     return min(choices), False
+
+
+def _most_blocks(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest ``k`` in ``[0, cap]`` with ``fits(k)`` (kept bytes only grow with ``k``): ``cap``
+    itself where it fits (one plan: the usual case up to 1M), else a search below it."""
+    if cap <= 0:
+        return 0
+    return cap if fits(cap) else longest_multiple(fits, start=1, limit=cap - 1)
+
+
+def size_keep_attention(job: PlanInput, where: str, blocks: int | None, gpu_mem_bytes: float,
+                        host_mem_bytes: float | None = None) -> KeepAttentionPlan:
+    """How many blocks keep their attention, and where, for ``[activation_checkpoint]
+    keep_attention = where`` (device, host or auto) and ``keep_attention_blocks = blocks`` (a cap;
+    None: as many as fit): on the device as many as fit the GPU (peak + runtime reserve), then for
+    ``host``/``auto`` in host memory as many as fit the node's host memory (and the GPU, which holds
+    each prefetched copy); a job whose offloaded inputs alone overfill the host keeps none there.
+    ``job``'s own keep counts are ignored."""
+    n = job.model.n_layers
+    cap = n if blocks is None else min(blocks, n)
+    base = replace(job, keep_device_blocks=0, keep_host_blocks=0)
+
+    def fits(device: int, host: int, host_limit: float | None) -> bool:
+        candidate = replace(base, keep_device_blocks=device, keep_host_blocks=host)
+        return plan(candidate, host_limit).fits(gpu_mem_bytes, host_limit)
+
+    # kept on the device adds no host memory: only the GPU bounds it
+    device = _most_blocks(lambda k: fits(k, 0, None), cap) if where in ("device", "auto") else 0
+    host = _most_blocks(lambda k: fits(device, k, host_mem_bytes), cap - device) if where in ("host", "auto") else 0
+    return KeepAttentionPlan(device, host)

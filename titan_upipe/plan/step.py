@@ -19,6 +19,7 @@ from titan_upipe.plan.block import (
 )
 from titan_upipe.plan.documents import documents_note, mask_build_bytes, segments_build_bytes
 from titan_upipe.plan.job import PlanInput
+from titan_upipe.plan.kept import kept_bytes, kept_tensor_bytes
 from titan_upipe.plan.loss import loss_terms
 from titan_upipe.plan.result import MemoryPlan, Moment
 from titan_upipe.plan.sizes import StepSizes
@@ -58,9 +59,16 @@ class StepWalk:
         (their inputs included: the embedding output is block 0's input)."""
         job, u = self.job, self.sizes.hidden
         if job.offloaded:
-            # the last ``resident_blocks`` blocks' inputs stay on the device (blocks >= n - N)
-            resident = max(0, blocks - (self.sizes.model.n_layers - job.resident_blocks))
-            return {Counted(Term.BLOCKS_RESIDENT, resident): resident * u} if resident else {}
+            # the last ``resident_blocks`` blocks' inputs stay on the device (blocks >= n - N), and
+            # the last ``keep_device_blocks`` blocks' kept attention
+            n = self.sizes.model.n_layers
+            resident = max(0, blocks - (n - job.resident_blocks))
+            terms: Terms = {Counted(Term.BLOCKS_RESIDENT, resident): resident * u} if resident else {}
+            keeping = max(0, blocks - (n - job.keep_device_blocks))
+            if keeping:
+                kept = kept_bytes(self.sizes)
+                terms[Counted(Term.BLOCKS_KEPT_ATTENTION, keeping, kept)] = keeping * kept
+            return terms
         if blocks == 0:
             return {}
         if job.ac_mode == "full":
@@ -99,6 +107,7 @@ class StepWalk:
         terms[Term.EMBEDDING_OUT] = u
         self.add("forward", "embedding", terms)
         where, inner = block_forward_peak(s, self.attention, grad=job.ac_mode != "full")
+        where_keeping, inner_keeping = block_forward_peak(s, self.attention, grad=False, kept=kept_bytes(s))
         if job.ac_mode == "full" and not job.offloaded and not job.tsp:
             # TorchTitan's (non-reentrant) checkpoint runs the first forward with autograd on and
             # drops what would be saved: the grad-mode temporaries (RoPE) appear, saves do not
@@ -112,7 +121,9 @@ class StepWalk:
             else:
                 terms.update(self.below(i))
                 terms[Term.BLOCK_INPUT] = u
-            self.add("forward", f"block {i} forward: {where}", terms, (f"block {i} fwd", inner))
+            keeps = job.keep.placement(i, m.n_layers) is not None
+            at, block_terms = (where_keeping, inner_keeping) if keeps else (where, inner)
+            self.add("forward", f"block {i} forward: {at}", terms, (f"block {i} fwd", block_terms))
 
     def output_group(self) -> Terms:
         """TorchTitan keeps the norm + output FSDP group unsharded from forward to backward."""
@@ -138,9 +149,14 @@ class StepWalk:
         # the last blocks (most resident inputs), the lowest block that prefetches (most gradients
         # with a prefetched input, block 1 without resident blocks) and block 0 (most gradients)
         lowest_resident = min(max(n - job.resident_blocks, 0), n - 1)
-        for i in sorted({n - 1, max(n - 2, 0), lowest_resident, min(1, n - 1), 0}, reverse=True):
+        # with kept attention also the lowest block keeping it on the device (the most kept bytes
+        # above the blocks' gradients) and the blocks fetching the highest and the lowest host-kept
+        keeping = {min(max(n - job.keep_device_blocks, 0), n - 1), min(max(n - job.keep_device_blocks, 1), n - 1),
+                   min(max(n - job.keep.blocks + 1, 1), n - 1)} if job.keep.blocks else set()
+        for i in sorted({n - 1, max(n - 2, 0), lowest_resident, min(1, n - 1), 0, *keeping}, reverse=True):
             prefetch = prefetches(job, i, n)
-            inside = block_backward_moments(s, self.attention, prefetch)
+            kept_below = kept_bytes(s) if i >= 1 and job.keep.placement(i - 1, n) == "host" else 0
+            inside = block_backward_moments(s, self.attention, prefetch, kept_below)
             grads = out_grads + (n - 1 - i) * grad_shards(s, m.block_params)
             below = self.below(i)
             if job.ac_mode == "none" and i == 0:
@@ -150,7 +166,7 @@ class StepWalk:
                 self.add("backward", f"block {i} backward: {moment.where}", terms,
                          (f"block {i}", moment.activations), ("", moment.unsharded_grads))
             if s.fsdp > 1:
-                self.reduce_scatter(i, grads, prefetch)
+                self.reduce_scatter(i, grads, prefetch, kept_below)
         grads = out_grads + n * grad_shards(s, m.block_params)
         terms = state_terms(s, grads)
         terms[Term.GRAD_EMBEDDING_OUT] = u
@@ -160,13 +176,15 @@ class StepWalk:
             terms[Term.FSDP_REDUCE_HELD] = s.fsdp_block_params * s.reduce_bytes
         self.add("backward", "embedding backward", terms)
 
-    def reduce_scatter(self, i: int, grads: int, prefetch: bool) -> None:
+    def reduce_scatter(self, i: int, grads: int, prefetch: bool, prefetched_kept: int = 0) -> None:
         """Block ``i``'s post-backward: its gradients reduce-scattered while the next block is fetched
-        (its parameters, and with ``prefetch`` its offloaded input)."""
+        (its parameters, with ``prefetch`` its offloaded input, and its host-kept attention)."""
         s, m = self.sizes, self.sizes.model
         terms = {**state_terms(s, grads), **(self.below(i) if i > 0 else {})}
         if prefetch:
             terms[Term.PREFETCHED_INPUT] = s.hidden
+        if prefetched_kept:
+            terms[Term.PREFETCHED_KEPT_ATTENTION] = prefetched_kept
         params = s.fsdp_block_params
         prev = params if i > 0 else m.embedding_params
         terms[Term.FSDP_GATHER_NEXT] = prev * s.weight_bytes
@@ -189,12 +207,16 @@ class StepWalk:
         self.add("optimizer", "AdamW step", terms)
 
     def host(self) -> MemoryPlan:
-        """The plan, with the offloaded block inputs in host memory (PyTorch's pinned allocator
-        rounds each up to a power of 2)."""
+        """The plan, with the offloaded block inputs and host-kept attention in host memory
+        (PyTorch's pinned allocator rounds each tensor up to a power of 2)."""
         job, u = self.job, self.sizes.hidden
         n = max(self.sizes.model.n_layers - job.resident_blocks, 0)  # inputs on the host
         pageable = n * u if job.offloaded else 0
         pinned = n * pow2_ceil(u) if job.offloaded else 0
+        if job.keep_host_blocks:
+            tensors = kept_tensor_bytes(self.sizes)
+            pageable += job.keep_host_blocks * sum(tensors)
+            pinned += job.keep_host_blocks * sum(pow2_ceil(t) for t in tensors)
         use_pinned = job.offloaded and job.pin_memory is not False
         moments = optimizer_host_bytes(self.sizes, pinned=self.sizes.cuda)
         return MemoryPlan(job, self.moments, (pinned if use_pinned else pageable) + moments, use_pinned,

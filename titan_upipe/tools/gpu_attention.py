@@ -15,14 +15,16 @@ documents, ``DOCUMENT_MIX``, 128K tokens) for the backends with a varlen kernel.
 backend must pass the contract (``attention.contract``, bf16) on this device: one that fails is
 reported, not timed, and leaves ``auto`` here (``attention.kernel_speed``).
 
-FLOPs of causal attention over a sequence of ``L`` tokens, ``H`` query heads of dim ``D`` (the
-half of ``QK^T`` and ``PV`` a causal mask keeps, two flops per multiply-add):
+FLOPs of causal attention (``kernel_speed.causal_flops``, over a sequence of ``L`` tokens, ``H``
+query heads of dim ``D``: the half of ``QK^T`` and ``PV`` a causal mask keeps, two flops per
+multiply-add):
 
     fwd = 2 * H * D * L^2          bwd = 2.5 * fwd   (five matmuls against two)
 
 summed over the documents of a varlen call. Times are CUDA-event medians after a warm-up call
 (which also pays a JIT kernel's first compilation); one timed call per case at 1M and beyond.
-Results go to the stage report and ``titan_upipe/resources/kernel_speed.csv`` (this device's rows replaced).
+Results go to the stage report and ``titan_upipe/resources/kernel_speed.csv`` (this device's rows
+replaced; each row carries the GPU's architecture, ``sm90`` on an H100 or H200, and the dtype, bf16).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ import torch
 
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
 from titan_upipe.attention.kernel_speed import (
+    ASSUMED_TFLOPS,
     KERNEL_SPEED_CSV,
+    arch_of_device,
+    attention_rate,
+    causal_flops,
+    current_arch,
     dense_seconds,
-    latest_device,
-    measured_order,
     read_rows,
     scores,
     write_rows,
@@ -49,6 +54,8 @@ from titan_upipe.errors import ConfigError
 
 K, M = 1024, 1024 * 1024
 HEAD_DIM = 128
+DTYPE = "bf16"
+"""What the stage times (``kernel_speed.dtype_name`` of the training dtype of the recipes)."""
 
 
 @dataclass(frozen=True)
@@ -69,21 +76,11 @@ DOCUMENT_MIX = ((0.55, 1024), (0.30, 8 * K), (0.15, 48 * K))
 log-normal around its median (sigma 0.6), clipped to [64, 128K], packed until 128K tokens."""
 CPU_LENGTHS = {"256": 256}
 """What ``make test`` runs on CPU (``sdpa``'s CPU kernel): the stage's bookkeeping, not speeds."""
-ASSUMED_TFLOPS = 150.0
-"""fwd + bwd rate for a time estimate where nothing is measured yet: an assumption, deliberately
-low (below what FA2-class kernels reach on an H100), so that unmeasured cases are not planned
-into a call they do not fit."""
 
 
 def repeats_for(tokens: int) -> int:
     """Timed calls per case: the median of 3 below 1M tokens, one from 1M on (seconds each)."""
     return 3 if tokens < M else 1
-
-
-def causal_flops(lengths: list[int], q_heads: int, head_dim: int) -> tuple[float, float]:
-    """(fwd, bwd) FLOPs of causal attention over documents of ``lengths`` (module docstring)."""
-    fwd = 2.0 * q_heads * head_dim * sum(n * n for n in lengths)
-    return fwd, 2.5 * fwd
 
 
 def document_lengths(total: int, seed: int = 0) -> list[int]:
@@ -123,36 +120,26 @@ class Case:
     def lengths(self) -> list[int]:
         return [self.tokens] if self.kind == "dense" else document_lengths(self.tokens)
 
-    def estimate_s(self, rows: list[dict] | None = None, device: str | None = None) -> float:
+    def estimate_s(self, rows: list[dict] | None = None, arch: str | None = None) -> float:
         """The calls ``time_case`` makes (a warm-up and ``repeats`` timed forward + backward pairs) at the
-        measured rate (the table), else at ``ASSUMED_TFLOPS``, plus 5 s of set-up."""
-        measured = dense_seconds(rows or [], device, self.backend, self.shape.name, self.tokens) if device else None
+        rate measured on ``arch`` (the table), else at ``ASSUMED_TFLOPS``, plus 5 s of set-up."""
+        measured = dense_seconds(rows or [], arch, self.backend, self.shape.name, self.tokens) if arch else None
         if measured is None:
             fwd, bwd = causal_flops(self.lengths(), self.shape.q_heads, self.shape.head_dim)
             measured = (fwd + bwd) / (ASSUMED_TFLOPS * 1e12)
         return 5.0 + (1 + repeats_for(self.tokens)) * measured
 
 
-SDPA_SLOWDOWN = 2.0
-"""A layer's time with torch SDPA's flash kernel against the paper's FA3 times: 2.0x FA3's Table 5
-time at 1M and at 2M on an H100 (2026-11-23). A 3M run planned at 202 s ran over 280 s with the
-paper's times alone."""
-SLOWDOWN_SHAPE, SLOWDOWN_TOKENS = "llama3_8b", 1024 * 1024
-
-
-def kernel_slowdown(device: str | None = None, rows: list[dict] | None = None) -> float:
-    """The slowdown of the kernel ``auto`` picks on ``device`` (default: the GPU of the newest
-    measurements, ``titan_upipe/resources/kernel_speed.csv``) against the paper's FA3 times: ``SDPA_SLOWDOWN``
-    scaled by that kernel's measured fwd + bwd time over SDPA's at one rank's Llama3-8B shape at 1M
-    (the layer's other work is small there); ``SDPA_SLOWDOWN`` where either is not measured."""
-    rows = read_rows() if rows is None else rows
-    device = device or latest_device(rows)
-    if device is None:
-        return SDPA_SLOWDOWN
-    fastest = measured_order(device, AUTO_ORDER, rows)[0]
-    best = dense_seconds(rows, device, fastest, SLOWDOWN_SHAPE, SLOWDOWN_TOKENS)
-    sdpa = dense_seconds(rows, device, "sdpa", SLOWDOWN_SHAPE, SLOWDOWN_TOKENS)
-    return SDPA_SLOWDOWN if best is None or sdpa is None else SDPA_SLOWDOWN * best / sdpa
+def layer_attention_seconds(tokens: int, backend: str, arch: str | None, rows: list[dict] | None = None,
+                            forwards: int = 2) -> float:
+    """Seconds of one layer's attention of Llama3-8B over 8 GPUs at ``tokens`` (one rank's causal
+    attention, ``SHAPES[0]``: 4 query heads of 128 over the whole sequence) with ``backend`` on
+    ``arch``: its FLOPs over the kernel table's rates (``kernel_speed.attention_rate``), ``forwards``
+    forward passes (2: full activation checkpointing runs the forward again in backward) and one
+    backward."""
+    shape = SHAPES[0]
+    rate = attention_rate(backend, arch, shape.head_dim, DTYPE, rows, AUTO_ORDER)
+    return rate.seconds(*causal_flops([tokens], shape.q_heads, shape.head_dim), forwards=forwards)
 
 
 def usable_backends(device: str) -> tuple[list[str], dict[str, str]]:
@@ -276,13 +263,14 @@ def run_attention_stage(device: str, deadline: float | None = None, environment:
             results.append({"check": "attention", "backend": name, "ok": False, "contract": verdict})
     rows_before = read_rows()
     device_name = environment.get("device", device)
+    arch = (current_arch() if device == "cuda" else None) or arch_of_device(device_name) or ""
     cases = [c for c in plan_cases(device, passed, lengths)
              if (c.backend, c.shape.name, c.length, c.kind) not in measured]
     not_run: list[dict] = []
     for i, case in enumerate(cases):
-        estimate = case.estimate_s(rows_before, device_name)
+        estimate = case.estimate_s(rows_before, arch)
         if deadline is not None and time.monotonic() + estimate > deadline:
-            not_run = [{"name": c.name, "estimate_s": c.estimate_s(rows_before, device_name),
+            not_run = [{"name": c.name, "estimate_s": c.estimate_s(rows_before, arch),
                         "command": "python -m titan_upipe.gpu_suite --stage attention"} for c in cases[i:]]
             break
         try:
@@ -297,25 +285,28 @@ def run_attention_stage(device: str, deadline: float | None = None, environment:
         if device == "cuda":
             torch.cuda.empty_cache()
             # after every case, so a call killed at its limit keeps the table in step with its report
-            write_rows(csv_rows(results, environment), device_name, passed=set(passed))
+            write_rows(csv_rows(results, environment, arch), device_name, passed=set(passed))
         if on_result:
             on_result(results, not_run)
     if device == "cuda":
-        write_rows(csv_rows(results, environment), device_name, passed=set(passed))
+        write_rows(csv_rows(results, environment, arch), device_name, passed=set(passed))
     if on_result:
         on_result(results, not_run)
     return results
 
 
-def csv_rows(results: list[dict], environment: dict) -> list[dict]:
-    """``kernel_speed.csv`` rows of a stage's results (timed cases and failed contracts)."""
+def csv_rows(results: list[dict], environment: dict, arch: str | None = None) -> list[dict]:
+    """``kernel_speed.csv`` rows of a stage's results (timed cases and failed contracts) on a GPU of
+    ``arch`` (default: the architecture of the environment's device name)."""
     shapes = {s.name: s for s in SHAPES}
+    device = environment.get("device", "")
     rows = []
     for r in results:
         if r.get("skipped") or r.get("oom"):
             continue
-        base = {"device": environment.get("device", ""), "date": environment.get("date", "")[:10],
-                "torch": environment.get("torch", ""), "backend": r["backend"], "contract": r["contract"]}
+        base = {"device": device, "arch": arch or arch_of_device(device) or "", "date": environment.get("date", "")[:10],
+                "torch": environment.get("torch", ""), "backend": r["backend"], "dtype": DTYPE,
+                "contract": r["contract"]}
         if "fwd_ms" not in r:  # a failed contract: no timing, but auto must see it
             rows.append({**base, "kind": "dense"})
             continue
@@ -327,9 +318,11 @@ def csv_rows(results: list[dict], environment: dict) -> list[dict]:
 
 
 def ranking(results: list[dict], device: str) -> list[tuple[str, float]]:
-    """(backend, geometric-mean fwd+bwd TFLOP/s over its dense cases), fastest first."""
+    """(backend, geometric-mean fwd+bwd TFLOP/s over its dense cases), fastest first: one stage's
+    results, all on ``device``."""
     rows = csv_rows(results, {"device": device})
-    return sorted(scores(rows, device).items(), key=lambda item: -item[1])
+    arch = rows[0]["arch"] if rows else ""  # one device: one architecture
+    return sorted(scores(rows, arch).items(), key=lambda item: -item[1])
 
 
 __all__ = ["KERNEL_SPEED_CSV", "SHAPES", "Case", "causal_flops", "document_lengths", "plan_cases", "ranking",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
-from titan_upipe.tools.gpu_reports import StageReport
+from titan_upipe.tools.gpu_reports import COLD_STEP, StageReport
 from titan_upipe.tools.paper_tables import paper_value
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
@@ -68,18 +68,26 @@ def replan_report(json_path: Path, when: str) -> StageReport:
 
 
 def add_speed_context(results: list[dict]) -> None:
+    """Each speed result's full-depth step time (modelled communication) and, from warm steps
+    only, its tokens/s/GPU and the UPipe / Ulysses step-time ratio beside the paper's Tables 3
+    and 5. A cold step (no untimed warm-up before it: first-use kernel compilation and set-up
+    inside it, the emulator's ``warm`` False, or a report from before issue 41) gets no tokens/s
+    and no ratio: ``refused`` says why."""
     by_key = {}
     for r in results:
         m = r.get("measurement")
         if m is None:
             continue
         r["step_s"] = m["full"]["modeled_step_time_s"]
-        r["tokens_per_s"] = m["seq_len"] * m["batch"] / r["step_s"] / m["cp_degree"]
         r["paper_tokens_per_s"] = paper_value("3", "llama3_8b", r["method"], "throughput", r["length"])
+        if not m.get("warm"):
+            r["refused"] = COLD_STEP
+            continue
+        r["tokens_per_s"] = m["seq_len"] * m["batch"] / r["step_s"] / m["cp_degree"]
         by_key[(r["method"], r["length"])] = r
     for r in results:
         other = by_key.get(("ulysses", r["length"]))
-        if r["method"] == "upipe" and other is not None and "step_s" in r:
+        if r["method"] == "upipe" and other is not None and "tokens_per_s" in r:
             r["ratio"] = r["step_s"] / other["step_s"]
             up = paper_value("5", "llama3_8b", "upipe", "step_time_total", r["length"])
             ul = paper_value("5", "llama3_8b", "ulysses", "step_time_total", r["length"])

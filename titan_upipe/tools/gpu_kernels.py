@@ -26,6 +26,7 @@ from torchtitan.models.llama3.model.model import Transformer
 
 from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
+from titan_upipe.attention.keep import KeepAttentionPlan, kept_attention_bytes
 from titan_upipe.contracts.backend import ERROR_FACTOR, check_contract, contract_cases
 from titan_upipe.contracts.varlen import check_varlen, varlen_cases
 from titan_upipe.torchtitan_0_2.compile_parts import compile_parts
@@ -228,6 +229,61 @@ def offload_checks(device: str) -> list[dict]:
                     detail)]
 
 
+def _kept_attention_step(device: str, mesh, backend: str, dtype: torch.dtype,
+                         keep: KeepAttentionPlan) -> tuple[dict[str, Tensor], int, bool]:
+    """(gradients, bytes kept on the host, every kept byte released) of one step of a 3-block UPipe
+    model (1-rank ``mesh``) under offloaded AC with ``keep``; every call builds the same weights."""
+    model = _debug_llama3(device, n_layers=3)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    for block in model.layers.values():
+        block.attention = convert_attention(block.attention, "upipe", mesh, backend=backend, compute_dtype=dtype)
+    apply_offloaded_ac(model, pin_memory=device == "cuda", keep=keep)
+    tokens = torch.randint(0, 512, (2, shapes_for(device).seq_len),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    before = OFFLOAD_STATS.kept_attention_bytes
+    out = model(tokens)
+    held = OFFLOAD_STATS.kept_attention_bytes - before
+    out.float().square().mean().backward()
+    return {n: p.grad for n, p in model.named_parameters()}, held, OFFLOAD_STATS.kept_attention_bytes == before
+
+
+def kept_attention_checks(device: str) -> list[dict]:
+    """Kept attention (``keep_attention``) on the CUDA side streams: UPipe on a 1-rank mesh, 3 blocks
+    (the top one keeping on the device, the next in pinned host memory, the lowest recomputing)
+    against the same model recomputing every block, with ``sdpa`` in fp32 and with the kernel
+    ``auto`` picks in bf16: every kept byte released, and the gradients bit for bit those of full
+    recomputation -- or, where the kernel's backward is not deterministic (flash kernels sum dQ with
+    atomics), no further from them than a second full-recomputation run is."""
+    cases = [("sdpa", torch.float32)]
+    if device == "cuda":
+        cases.append((choose_backend("auto", torch.bfloat16, head_dim=shapes_for(device).model_dim // 8).name,
+                      torch.bfloat16))
+    results = []
+    started_group = not dist.is_initialized()
+    try:
+        mesh = _one_rank_cp_mesh(device)
+        for backend, dtype in cases:
+            plan = KeepAttentionPlan(device_blocks=1, host_blocks=1)
+            reference, _, _ = _kept_attention_step(device, mesh, backend, dtype, KeepAttentionPlan())
+            again, _, _ = _kept_attention_step(device, mesh, backend, dtype, KeepAttentionPlan())
+            kept, held, released = _kept_attention_step(device, mesh, backend, dtype, plan)
+            noise = max(_rel(again[n], reference[n]) for n in reference)
+            worst = max(_rel(kept[n], reference[n]) for n in reference)
+            shapes = shapes_for(device)  # _debug_llama3's 8 heads; the one block kept on the host
+            expected = kept_attention_bytes(2 * shapes.seq_len, 8, shapes.model_dim // 8, dtype.itemsize)
+            ok = released and held == expected and worst <= noise
+            detail = (f"{held} B kept on the host (expected {expected}), released: {released}, largest gradient "
+                      f"difference {worst:.2e} (full recomputation run twice: {noise:.2e})")
+            host = "pinned host" if device == "cuda" else "host"
+            results.append(_result("kept_attention", f"upipe 3 blocks ({backend}, {str(dtype).removeprefix('torch.')}): "
+                                   f"device, {host}, recompute", ok, detail))
+    finally:
+        if started_group and dist.is_initialized():
+            dist.destroy_process_group()
+    return results
+
+
 # --- one bf16 step with every converter --------------------------------------------------------
 
 
@@ -342,14 +398,18 @@ def compile_checks(device: str) -> list[dict]:
 
 
 CHECKS = {"contract": contract_checks, "varlen": varlen_checks, "fused_ce": fused_ce_checks,
-          "offload_streams": offload_checks, "bf16_parity": parity_checks, "compile": compile_checks}
+          "offload_streams": offload_checks, "kept_attention": kept_attention_checks, "bf16_parity": parity_checks,
+          "compile": compile_checks}
 
 
-def run_kernel_checks(device: str = "cuda", on_result: Callable[[list[dict]], None] | None = None) -> list[dict]:
-    """Every check in ``CHECKS`` order; ``on_result(results)`` after each, so a killed call keeps
-    the report of the checks that finished."""
+def run_kernel_checks(device: str = "cuda", on_result: Callable[[list[dict]], None] | None = None,
+                      only: tuple[str, ...] | None = None) -> list[dict]:
+    """Every check in ``CHECKS`` order (``only``: these); ``on_result(results)`` after each, so a
+    killed call keeps the report of the checks that finished."""
     results = []
     for name, check in CHECKS.items():
+        if only is not None and name not in only:
+            continue
         try:
             results += check(device)
         except Exception as exc:  # a crashing check is a failed check, reported with the others

@@ -133,14 +133,45 @@ def _memory_table(results: list[dict]) -> list[str]:
     return lines
 
 
+COLD_STEP = ("a single cold step (no untimed warm-up before it): its time includes first-use kernel compilation "
+             "and set-up, so no tokens/s and no ratio are computed from it (run --steps 3 --warmup-steps 1)")
+"""Why a speed figure is refused (``gpu_context.add_speed_context``)."""
+
+
+def step_notes(measurement: dict) -> list[str]:
+    """What a reader of a step time must know: a cold step, or kernels compiled while it was timed."""
+    notes = [] if measurement.get("warm") else [COLD_STEP]
+    compiles = measurement.get("kernel_compiles_during_timed_steps")
+    if compiles:
+        notes.append(f"WARNING: {compiles} kernel(s) compiled during the timed steps: the step time includes "
+                     "compilation")
+    return notes
+
+
+def _steps_cell(m: dict) -> str:
+    """``warm-up + timed`` steps of a measurement, and its compile pass (``-`` for a cold one)."""
+    timed = len(m.get("step_times_s") or ())
+    cell = f"{m.get('warmup_steps', 0)} + {timed}" if m.get("warm") else "1 cold"
+    return cell + (f", compile {m['compile_s']:.1f} s" if m.get("compile_s") is not None else "")
+
+
+def _notes(results: list[dict]) -> list[str]:
+    noted = [(r, step_notes(r["measurement"])) for r in results if r.get("measurement")]
+    lines = [f"- {r['name']}: {'; '.join(notes)}" for r, notes in noted if notes]
+    return ["", "Notes:", "", *lines] if lines else []
+
+
 def _speed_table(results: list[dict]) -> list[str]:
-    lines = ["| length | method | step s (full, modelled comm.) | tokens/s/GPU | paper T3 tokens/s/GPU | "
-             "UPipe / Ulysses | paper |", "|---|---|---|---|---|---|---|"]
+    """Tokens/s and the UPipe / Ulysses ratio from warm steps only (``step_notes`` says why not)."""
+    lines = ["| length | method | steps (warm-up + timed) | step s (full, modelled comm.) | tokens/s/GPU | "
+             "paper T3 tokens/s/GPU | UPipe / Ulysses | paper |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['length']} | {r['method']} | {_fmt(r.get('step_s'))} | {_fmt(r.get('tokens_per_s'))} | "
+        m = r.get("measurement") or {}
+        lines.append(f"| {r['length']} | {r['method']} | {_steps_cell(m) if m else '-'} | {_fmt(r.get('step_s'))} | "
+                     f"{_fmt(r.get('tokens_per_s')) if 'refused' not in r else 'refused'} | "
                      f"{_fmt(r.get('paper_tokens_per_s'))} | {_fmt(r.get('ratio'), '.3f')} | "
                      f"{_fmt(r.get('paper_ratio'), '.3f')} |")
-    return lines
+    return lines + _notes(results)
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -148,20 +179,20 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 
 def _tsp_table(results: list[dict]) -> list[str]:
-    lines = ["| length | max allocated GiB (full) | max reserved GiB (full) | step s (full, modelled comm.) | "
-             "TSP collectives GB per step (received) |", "|---|---|---|---|---|"]
+    lines = ["| length | max allocated GiB (full) | max reserved GiB (full) | steps (warm-up + timed) | "
+             "step s (full, modelled comm.) | TSP collectives GB per step (received) |", "|---|---|---|---|---|---|"]
     for r in results:
         m = r.get("measurement") or {}
         full = m.get("full") or {}
         if r.get("oom"):
-            lines.append(f"| {r['length']} | OOM | OOM | - | - |")
+            lines.append(f"| {r['length']} | OOM | OOM | - | - | - |")
             continue
         step = full.get("modeled_step_time_s")
         comm = full.get("p2p_bytes")
         lines.append(f"| {r['length']} | {_gib(full.get('device_peak_allocated_bytes'))} | "
-                     f"{_gib(full.get('device_peak_reserved_bytes'))} | {_fmt(step)} | "
+                     f"{_gib(full.get('device_peak_reserved_bytes'))} | {_steps_cell(m) if m else '-'} | {_fmt(step)} | "
                      f"{_fmt(None if comm is None else comm / 1e9, '.1f')} |")
-    return lines
+    return lines + _notes(results)
 
 
 def _ring_documents_table(results: list[dict]) -> list[str]:

@@ -18,7 +18,8 @@ kernels     the backend contract (``titan_upipe.contracts.backend``) for every b
             packed documents in one varlen call against per-document calls and fp32 masked
             attention, bf16, for each flash-attn backend installed); Liger's fused linear+CE against
             the chunked torch loss; the offloaded checkpoint's CUDA streams round trip (gradients
-            bit-exact); one bf16 step of a debug model with every converter (UPipe on a 1-rank mesh,
+            bit-exact), with kept attention too (``keep_attention``: on the device and in pinned
+            host memory, sdpa fp32 and the ``auto`` kernel in bf16); one bf16 step of a debug model with every converter (UPipe on a 1-rank mesh,
             tiled MLP/RMSNorm, fused RoPE/CE, offloaded AC) against the unconverted model; one bf16
             step of the UPipe model with ``compile.enable``'s compiled norms and feed-forwards
             (inductor) against the same model eager
@@ -31,12 +32,15 @@ memory      the rank emulator (``python -m titan_upipe.emulate``, fake process g
             Qwen3-32B UPipe-in-USP 8 x 2 at 1M-4M, and Qwen3-32B UPipe C=8 on one node (the
             ``upipe_8gpu`` recipes, 1M, 2M, 2.5M), on fewer layers with the emulator's extrapolation;
             ``max_memory_allocated``/``reserved`` beside the planner and the paper's Table 4
-speed       one emulated step of 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M:
-            the UPipe / Ulysses step-time ratio and tokens/s/GPU with modelled communication beside
-            the paper's Table 3
+speed       the emulator on 2 layers, UPipe and Ulysses with the same kernel at 128K, 1M and 2M, 3
+            steps: the kernels' compile pass, one untimed warm-up step, the median of 2 timed steps
+            (``gpu_runs.TIMED_STEPS``): the UPipe / Ulysses step-time ratio and tokens/s/GPU with
+            modelled communication beside the paper's Table 3, never from a single cold step; ``--select keep_attention``: both at 1M with
+            ``--activation_checkpoint.keep_attention auto`` (a report of their own)
 tsp         the rank emulator on TSP (issue 19), Llama3-8B over 8 GPUs with its recipes' converters at
-            128K-2M and upward until OOM: ``max_memory_allocated``/``reserved`` at full depth, the step
-            time with modelled communication and the bytes its collectives move (beside the memory
+            128K-2M and upward until OOM: ``max_memory_allocated``/``reserved`` at full depth, the
+            warm step's time (3 steps, as speed) with modelled communication and the bytes its
+            collectives move (beside the memory
             and speed stages' Ulysses and UPipe at the same lengths)
 ring_documents
             packed documents on a ring (issue 35), one process playing every ring rank of R = 8 and 16
@@ -50,11 +54,13 @@ A call runs its runs in order while the next one's estimate fits before the call
 ``--budget-s`` from its start (default 540 s, under a 10-minute call; ``all`` shares it among the
 stages, each in a child process of its own); the rest are listed in the report with the command
 that runs them, and every emulator child is killed at the deadline. Reports are rewritten after
-every run, so a killed call keeps what it measured. Estimates come from the paper's Table 5 FA3 times per layer (the
-attention dominates) times the slowdown of the kernel ``auto`` runs there (``gpu_attention.kernel_slowdown``:
-SDPA's measured 2.0x, scaled by the measured kernel table) plus a start-up cost: with SDPA on an H100
-a 2-block run fits one 10-minute call up to 4M; 5M-8M need a machine without that limit
-(``--budget-s 3600``). ``--next`` runs the queue's pending items (``gpu_queue``), each a child call.
+every run, so a killed call keeps what it measured. Estimates (``run_estimate_s``) divide one rank's
+causal-attention FLOPs per layer by the TFLOP/s the kernel table measured for the kernel ``auto``
+runs on the GPU's architecture (on a machine without a GPU: the newest measured one;
+``kernel_speed.attention_rate``), plus a start-up cost and the layer's other work: with
+FlashAttention-4 on an H100 or H200 a 2-block run fits one 10-minute call up to 5M; 6M-8M need a
+machine without that limit (``--budget-s 3600``). ``--next`` runs the queue's pending items
+(``gpu_queue``), each a child call.
 Each stage writes ``<stage>.json`` and ``<stage>.md`` (``<stage>[-<select>][-<lengths>].*``) under
 ``docs/benchmarks/gpu/`` or ``--out`` (device, torch, driver, cuDNN, the backend ``auto`` runs, date,
 the exact command); every GPU call also rewrites ``titan_upipe/resources/gpu_image_packages.txt`` (and the
@@ -70,8 +76,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -79,7 +84,8 @@ import torch
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
 from titan_upipe.attention.kernel_speed import (
     KERNEL_SPEED_CSV,
-    latest_device,
+    current_arch,
+    latest_arch,
     measured_order,
     read_rows,
 )
@@ -89,20 +95,33 @@ from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
     DENSE_LENGTHS,
     case_key,
-    kernel_slowdown,
+    layer_attention_seconds,
     plan_cases,
     run_attention_stage,
     usable_backends,
 )
-from titan_upipe.tools.gpu_context import (
-    REPO,
-    add_memory_context,
-    add_speed_context,
-    replan_report,
+from titan_upipe.tools.gpu_context import REPO, replan_report
+from titan_upipe.tools.gpu_kernels import CHECKS, run_kernel_checks
+from titan_upipe.tools.gpu_queue import (
+    KEEP_ATTENTION,
+    KEEP_ATTENTION_WORD,
+    QueueItem,
+    build_queue,
+    load_reports,
+    next_item,
+    pending,
 )
-from titan_upipe.tools.gpu_kernels import run_kernel_checks
-from titan_upipe.tools.gpu_queue import QueueItem, build_queue, load_reports, next_item, pending
 from titan_upipe.tools.gpu_reports import StageReport, environment, refresh_image_packages
+from titan_upipe.tools.gpu_runs import (  # the emulator stages' runs; Run and the rest importable from here
+    MEMORY_LAYERS,
+    TIMED_STEPS,
+    Run,
+    child_env,
+    emulator_argv,
+    llama_run,
+    run_emulator_stage,
+    schedule_within,
+)
 from titan_upipe.tools.gpu_wheels import (
     canonical,
     carried_versions,
@@ -111,7 +130,6 @@ from titan_upipe.tools.gpu_wheels import (
     read_image,
     read_lock,
 )
-from titan_upipe.tools.paper_tables import paper_value
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
@@ -132,62 +150,39 @@ estimates' unit): 64 / 8 query heads per rank against 32 / 8, the same head dim 
 SPEED_LENGTHS = ("128K", "1M", "2M")
 TSP_LENGTHS = ("128K", "1M", "2M", "3M", "4M")
 """TSP (issue 19) on Llama3-8B over 8 GPUs: its recipes (128K-2M), then upward until it no longer fits."""
-MEMORY_LAYERS = 2
-"""Blocks the memory runs build (the emulator extrapolates to the flavor's depth; it needs >= 2)."""
 STARTUP_S = 30.0
-"""Estimated process start, model build and first-use kernel compilation per emulator run
-(H100, 2026-11-23: 25 s at 128K, where the attention takes little)."""
-def run_estimate_s(length: str, slowdown: float | None = None, work: float = 1.0) -> float:
-    """Wall seconds of one emulator run of ``MEMORY_LAYERS`` blocks at ``length``; ``work``: the
-    attention work per rank and layer relative to Llama3-8B over 8 GPUs."""
-    slowdown = kernel_slowdown() if slowdown is None else slowdown
-    return STARTUP_S + MEMORY_LAYERS * slowdown * work * attention_seconds_per_layer(length)
+"""Process start, model build and first-use kernel compilation of one emulator run: 25 s at 128K on
+an H100 (2026-11-23). With the per-layer terms below it gives the H200's FlashAttention-4 runs of
+2026-11-27 within 5 %: 46 s planned for Llama3-8B at 1M (44-47 s measured), 99 s for Qwen3-32B
+UPipe-in-USP at 2M (94 s)."""
+OTHER_S_PER_LAYER_M = 1.5
+"""A layer's time besides its attention (projections, MLP, norms, offload copies), per step and
+million tokens, linear in the length: 1.43 s on the H200 (Llama3-8B at 1M, 2 blocks, 2026-11-27)."""
+KEEP_ATTENTION_LENGTHS = ("1M",)
+"""The speed stage's lengths that also run with ``gpu_queue.KEEP_ATTENTION`` (``--select keep_attention``)."""
 
 
-@dataclass(frozen=True)
-class Run:
-    """One measurement of a stage: a name, the command (emulator runs) and its time estimate."""
-
-    stage: str
-    name: str
-    argv: tuple[str, ...] = ()
-    estimate_s: float = 0.0
-    method: str = ""
-    length: str = ""
-    stop_group: str = ""
-    """Runs of one group stop at the first OOM (the "upward until it no longer fits" series)."""
-
-    def result(self, **fields) -> dict:
-        """A result record of this run: what identifies it, then ``fields``."""
-        return {"name": self.name, "method": self.method, "length": self.length, "model": self.name.split()[0],
-                "command": " ".join(self.argv[1:]), "argv": list(self.argv[1:]), **fields}
+def run_estimate_s(length: str, work: float = 1.0, backend: str | None = None, arch: str | None = None) -> float:
+    """Wall seconds of one emulator run of one step of ``MEMORY_LAYERS`` blocks at ``length``: the
+    start-up, then per block its attention (``attention_seconds_per_layer``) times ``work`` (the
+    attention work per rank and layer relative to Llama3-8B over 8 GPUs) and the rest of the block."""
+    rest = OTHER_S_PER_LAYER_M * LENGTHS[length] / 2**20
+    return STARTUP_S + MEMORY_LAYERS * (work * attention_seconds_per_layer(length, backend, arch) + rest)
 
 
-def attention_seconds_per_layer(length: str) -> float:
-    """Llama3-8B C=8 FA3 forward + backward time of one layer from the paper's Table 5 (UPipe),
-    quadratic in the length beyond the table (attention dominates there)."""
-    for known in ("3M", "2M", "1M", "512K", "256K", "128K"):
-        fwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_fwd", known)
-        bwd = paper_value("5", "llama3_8b", "upipe", "step_time_fa3_bwd", known)
-        if fwd is not None and bwd is not None and LENGTHS[known] <= LENGTHS[length]:
-            return (fwd + bwd) / 32 * (LENGTHS[length] / LENGTHS[known]) ** 2
-    return 0.0
+def attention_seconds_per_layer(length: str, backend: str | None = None, arch: str | None = None) -> float:
+    """One layer's attention of Llama3-8B over 8 GPUs at ``length`` under full activation
+    checkpointing (two forwards and a backward): one rank's causal-attention FLOPs over the TFLOP/s
+    the kernel table gives ``backend`` (default: what ``auto`` runs, ``fastest_backend``) on ``arch``
+    (default: ``planning_arch``), ``gpu_attention.layer_attention_seconds``."""
+    arch = arch or planning_arch()
+    return layer_attention_seconds(LENGTHS[length], backend or fastest_backend(arch), arch)
 
 
-def _emulator(config: str, cp_world: int, *extra: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "titan_upipe.emulate", "--job.config_file", config, "--cp-world", str(cp_world),
-            "--n-layers", str(MEMORY_LAYERS), "--json", *extra)
-
-
-def _llama_run(stage: str, method: str, length: str, stop_group: str = "") -> Run:
-    # a shipped recipe of this length where there is one (128K-5M; UPipe's 6M and 7M recipes add
-    # the issue-18 levers), else the 5M recipe with a longer seq_len
-    longest = "2M" if method == "tsp" else "5M"
-    recipe = length if (REPO / f"configs/llama3_8b/{method}_{length.lower()}.toml").exists() else longest
-    extra = () if length == recipe else ("--training.seq_len", str(LENGTHS[length]))
-    return Run(stage, f"llama3_8b {method} {length}", _emulator(f"configs/llama3_8b/{method}_{recipe.lower()}.toml",
-                                                              8, *extra),
-               run_estimate_s(length), method, length, stop_group)
+def planning_arch() -> str | None:
+    """The GPU architecture runs are planned for: this GPU's; on a machine without one, that of the
+    newest rows of ``titan_upipe/resources/kernel_speed.csv``."""
+    return current_arch() or latest_arch()
 
 
 def attention_backends() -> list[str]:
@@ -217,9 +212,25 @@ def ring_lengths(lengths: tuple[str, ...] | None) -> dict[str, int]:
 
 def plan_runs(stage: str, lengths: tuple[str, ...] | None = None, select: str | None = None) -> list[Run]:
     """The runs of one stage, in order (``lengths`` narrows the emulator and attention stages,
-    ``select`` keeps the runs whose name starts with it)."""
-    runs = _stage_runs(stage, lengths)
-    return [r for r in runs if select is None or r.name.startswith(select)]
+    ``select`` keeps the runs whose name holds each of its words, ``selected``)."""
+    return [r for r in _stage_runs(stage, lengths) if selected(r.name, select)]
+
+
+def selected(name: str, select: str | None) -> bool:
+    """``--select``: the runs whose name holds every word of ``select`` (``'llama3_8b upipe'``: both
+    words); a run named with ``KEEP_ATTENTION_WORD`` only where ``select`` names it, so that a
+    stage's plain runs and its keep_attention runs are separate calls with separate reports."""
+    words, wanted = name.split(), (select or "").split()
+    return set(wanted) <= set(words) and (KEEP_ATTENTION_WORD not in words or KEEP_ATTENTION_WORD in wanted)
+
+
+def keep_attention_run(run: Run) -> Run:
+    """``run`` with ``KEEP_ATTENTION``, named ``<run> keep_attention`` (its estimate kept: the
+    full-recompute one is the longer)."""
+    argv = list(run.argv)
+    at = argv.index(KEEP_ATTENTION[0])  # every emulator run sets it (gpu_runs.emulator_argv: off)
+    argv[at + 1] = KEEP_ATTENTION[1]
+    return replace(run, name=f"{run.name} {KEEP_ATTENTION_WORD}", argv=tuple(argv))
 
 
 def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
@@ -227,37 +238,39 @@ def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
         return tuple(x for x in candidates if lengths is None or x in lengths)
 
     if stage == "attention":
-        rows, device = read_rows(), latest_device()
-        return [Run("attention", case.name, estimate_s=case.estimate_s(rows, device), length=case.length)
+        rows, arch = read_rows(), planning_arch()
+        return [Run("attention", case.name, estimate_s=case.estimate_s(rows, arch), length=case.length)
                 for case in plan_cases("cuda", attention_backends(), attention_lengths(lengths))]
     if stage == "kernels":
         return [Run("kernels", name, estimate_s=est) for name, est in
-                (("contract", 60), ("varlen", 30), ("fused_ce", 30), ("offload_streams", 10), ("bf16_parity", 60),
-                 ("compile", 90))]
+                (("contract", 60), ("varlen", 30), ("fused_ce", 30), ("offload_streams", 10), ("kept_attention", 20),
+                 ("bf16_parity", 60), ("compile", 90))]
     if stage == "memory":
         # length-major: a call that covers the short lengths covers both methods there
-        runs = [_llama_run("memory", method, length, stop_group=method)
+        runs = [llama_run("memory", method, length, run_estimate_s(length), stop_group=method)
                 for length in wanted(MEMORY_LLAMA_LENGTHS) for method in ("ulysses", "upipe")]
         # Qwen3-32B's 64 heads over 16 GPUs: the same attention work per rank and layer as
         # Llama3-8B's 32 heads over 8, so the same per-layer estimate.
         runs += [Run("memory", f"qwen3_32b upipe_usp {length}",
-                     _emulator(f"configs/qwen3_32b/upipe_usp_{length.lower()}.toml", 16),
+                     emulator_argv(f"configs/qwen3_32b/upipe_usp_{length.lower()}.toml", 16),
                      run_estimate_s(length), "upipe_usp", length,
                      "qwen3_upipe_usp") for length in wanted(MEMORY_QWEN_LENGTHS)]
         # One node: the 2.5M recipe keeps its last 2 inputs on the device, which in a 2-block run
         # is every input (nothing offloaded, and the extrapolation would add a resident input per
         # block); the run offloads them all, as the full model's low blocks, whose peak it is.
         runs += [Run("memory", f"qwen3_32b upipe_8gpu {length}",
-                     _emulator(f"configs/qwen3_32b/upipe_8gpu_{length.lower().replace('.', '_')}.toml", 8,
+                     emulator_argv(f"configs/qwen3_32b/upipe_8gpu_{length.lower().replace('.', '_')}.toml", 8,
                                "--activation_checkpoint.resident_blocks", "0"),
                      run_estimate_s(length, work=QWEN_ONE_NODE_WORK), "upipe_8gpu", length,
                      "qwen3_upipe_8gpu") for length in wanted(MEMORY_QWEN_ONE_NODE_LENGTHS)]
         return runs
     if stage == "speed":
-        return [_llama_run("speed", method, length) for length in wanted(SPEED_LENGTHS)
-                for method in ("ulysses", "upipe")]
+        runs = [llama_run("speed", method, length, run_estimate_s(length), steps=TIMED_STEPS, startup_s=STARTUP_S)
+                for length in wanted(SPEED_LENGTHS) for method in ("ulysses", "upipe")]
+        return runs + [keep_attention_run(r) for r in runs if r.length in KEEP_ATTENTION_LENGTHS]
     if stage == "tsp":
-        return [_llama_run("tsp", "tsp", length, stop_group="tsp") for length in wanted(TSP_LENGTHS)]
+        return [llama_run("tsp", "tsp", length, run_estimate_s(length), stop_group="tsp", steps=TIMED_STEPS,
+                          startup_s=STARTUP_S) for length in wanted(TSP_LENGTHS)]
     if stage == "ring_documents":
         # one process for the whole call: the start-up (and first-use compilation) rides on its first case
         cases = gpu_ring_documents.plan_cases("cuda", ring_lengths(lengths))
@@ -265,75 +278,6 @@ def _stage_runs(stage: str, lengths: tuple[str, ...] | None) -> list[Run]:
                     estimate_s=case.estimate_s() + (gpu_ring_documents.STARTUP_S if i == 0 else 0.0))
                 for i, case in enumerate(cases)]
     raise ValueError(f"unknown stage {stage!r}: valid stages are {', '.join(STAGES)}, all")
-
-
-def schedule_within(runs: list[Run], budget_s: float) -> tuple[list[Run], list[Run]]:
-    """Runs that fit the budget in order (stopping at the first that does not), and the rest."""
-    spent = 0.0
-    for i, run in enumerate(runs):
-        if spent + run.estimate_s > budget_s:
-            return runs[:i], runs[i:]
-        spent += run.estimate_s
-    return runs, []
-
-
-# --- running emulator stages -----------------------------------------------------------------
-
-
-def child_env() -> dict[str, str]:
-    """The environment of the suite's child processes: this checkout importable from anywhere."""
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""), "PYTHONUNBUFFERED": "1"}
-
-
-def _run_emulator(run: Run, timeout_s: float | None = None) -> dict:
-    """One emulator process (a fresh CUDA context and fake process group per run), killed after
-    ``timeout_s`` (the call's deadline)."""
-    started = time.perf_counter()
-    try:
-        proc = subprocess.run(run.argv, cwd=REPO, capture_output=True, text=True, env=child_env(),
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return run.result(oom=False, measurement=None, ok=False, wall_s=time.perf_counter() - started,
-                          error=f"killed after {timeout_s:.0f} s: the call's deadline (estimate {run.estimate_s:.0f} s)")
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip().startswith("{")]
-    record = records[-1] if records else None
-    result = run.result(wall_s=time.perf_counter() - started, oom=bool(record and record.get("oom")),
-                        measurement=None if record is None or record.get("oom") else record, ok=record is not None)
-    if record is None:
-        result["error"] = (proc.stderr or proc.stdout)[-2000:]
-    return result
-
-
-def run_emulator_stage(stage: str, runs: list[Run], deadline: float | None = None,
-                       on_result: Callable[[list[dict], list[Run]], None] | None = None) -> list[dict]:
-    """Run ``runs`` in order while the next one's estimate fits before ``deadline``
-    (``time.monotonic()``); ``on_result(results, not_started)`` after each, so a report is on
-    disk even if the call is killed."""
-    results, stopped = [], set()
-    for i, run in enumerate(runs):
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and run.estimate_s > remaining:
-            if on_result:
-                on_result(results, runs[i:])
-            return results
-        if run.stop_group and run.stop_group in stopped:
-            results.append(run.result(skipped=True, ok=True, oom=True,
-                                      detail="a shorter length of this series did not fit"))
-            continue
-        result = _run_emulator(run, remaining)
-        if result["oom"] and run.stop_group:
-            stopped.add(run.stop_group)
-        if stage == "memory":
-            add_memory_context(result)
-        results.append(result)
-        print(f"[{stage}] {run.name}: {'OOM' if result['oom'] else ('ok' if result['ok'] else 'FAILED')} "
-              f"({result.get('wall_s', 0):.0f} s)", flush=True)
-        if stage == "speed":
-            add_speed_context(results)
-        if on_result:
-            on_result(results, runs[i + 1:])
-    return results
 
 
 # --- the CLI -----------------------------------------------------------------------------------
@@ -350,8 +294,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=str(REPORT_DIR),
                         help=f"report folder (default {REPORT_DIR}; on the device tool's machine use $OUT, the "
                              "folder that comes back)")
-    parser.add_argument("--select", default=None, metavar="PREFIX",
-                        help="emulator stages: only the runs whose name starts with PREFIX (e.g. 'llama3_8b upipe')")
+    parser.add_argument("--select", default=None, metavar="WORDS",
+                        help="emulator stages: only the runs whose name holds every one of WORDS (e.g. 'llama3_8b "
+                             "upipe'); the speed stage's keep_attention runs only with 'keep_attention'")
     parser.add_argument("--next", action="store_true",
                         help="the GPU queue: run the highest-priority measurements no report shows yet, within "
                              "--budget-s (titan_upipe.tools.gpu_queue); with --dry-run, print the queue")
@@ -376,8 +321,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--lengths for the attention stage: {', '.join(DENSE_LENGTHS)}")
     if args.stage == "ring_documents" and args.lengths and not ring_lengths(args.lengths):
         parser.error(f"--lengths for the ring_documents stage: {', '.join(gpu_ring_documents.RING_LENGTHS)}")
-    if args.select is not None and args.stage in ("kernels", "attention", "ring_documents", "all"):
-        parser.error(f"--select narrows the emulator stages (memory, speed, tsp), not --stage {args.stage}")
+    if args.select is not None and args.stage in ("attention", "ring_documents", "all"):
+        parser.error(f"--select narrows the emulator stages (memory, speed, tsp) and the kernels stage's checks, not "
+                     f"--stage {args.stage}")
+    if args.select is not None and args.stage == "kernels" and not set(args.select.split()) <= set(CHECKS):
+        parser.error(f"--select for the kernels stage names checks: {', '.join(CHECKS)}")
     return args
 
 
@@ -390,17 +338,28 @@ def call_estimate_s(stage: str, lengths: tuple[str, ...], select: str | None) ->
     return sum(run.estimate_s for run in plan_runs(stage, lengths or None, select))
 
 
-def fastest_backend() -> str:
-    """What ``auto`` runs on this GPU (on a CPU machine: on the GPU of the newest measurements)."""
+def call_start_s(stage: str, lengths: tuple[str, ...]) -> float | None:
+    """What an attention call needs to make progress: its first case (the stage continues an
+    earlier call's report); None for the other stages (a call is its runs together)."""
+    runs = plan_runs(stage, lengths or None) if stage == "attention" else []
+    return runs[0].estimate_s if runs else None
+
+
+def fastest_backend(arch: str | None = None) -> str:
+    """What ``auto`` runs on this GPU for the recipes (bf16, head_dim 128); on a machine without one,
+    the first of ``auto``'s order on ``arch`` (default: the newest measured architecture) that the GPU
+    machines will have (``attention_backends``)."""
     if torch.cuda.is_available():
         return choose_backend("auto", torch.bfloat16, head_dim=128).name
-    return measured_order(latest_device(), AUTO_ORDER)[0]
+    order = measured_order(arch or latest_arch(), AUTO_ORDER, head_dim=128, dtype=torch.bfloat16)
+    there = attention_backends()
+    return next((name for name in order if name in there), order[0])
 
 
 def gpu_queue(out: Path) -> tuple[list[QueueItem], list[dict]]:
     """The queue's items and the reports they are judged by (committed and this call's)."""
     reports = load_reports([REPORT_DIR, out])
-    return build_queue(call_estimate_s, fastest_backend(), AUTO_ORDER), reports
+    return build_queue(call_estimate_s, fastest_backend(), AUTO_ORDER, call_start_s), reports
 
 
 def print_queue(out: Path) -> None:
@@ -523,7 +482,8 @@ def run_stage(stage: str, args: argparse.Namespace, argv: list[str], device: str
             report.results = results
             report.write(out)
 
-        report.results = run_kernel_checks(device, on_result=save_checks)
+        report.results = run_kernel_checks(device, on_result=save_checks,
+                                           only=tuple(args.select.split()) if args.select else None)
         report.write(out)
         return report
     if stage == "attention":

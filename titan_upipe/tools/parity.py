@@ -50,6 +50,7 @@ from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_r
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.plan.job_config import size_keep_attention_of_job
 from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
 from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
 from titan_upipe.torchtitan_0_2.checks import check_job, cp_layout
@@ -166,6 +167,7 @@ def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: 
         raise ConfigError(f"the check runs one rank per CP rank: launch it with --nproc_per_node {cp} "
                           f"(parallelism.context_parallel_degree), not {world_size}")
     check_job(job_config, world_size)
+    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
     if problem := _cpu_length_problem(job_config, options, device):
         raise ConfigError(problem)
     if packs_documents(flavor_args(job_config)) and cp == 1:

@@ -13,11 +13,18 @@ cannot, 2 on usage errors. Needs no GPU and starts no processes.
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.plan.job_config import plan_from_job_config
+from titan_upipe.plan.cli import PLAN_GPU_GIB
+from titan_upipe.plan.job_config import (
+    MachineMemory,
+    async_checkpoint_staging_bytes,
+    plan_from_job_config,
+    size_keep_attention_of_job,
+)
 from titan_upipe.tools.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, job_assets
 from titan_upipe.torchtitan_0_2.config import (
@@ -28,7 +35,6 @@ from titan_upipe.torchtitan_0_2.config import (
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.cp_inputs import document_layout_text
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
-from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 GIB = 1024**3
@@ -50,6 +56,8 @@ class LayoutSummary:
     converters: tuple[str, ...]
     document_layout: str | None = None
     """Packed documents on a ring: how each batch is laid out (``[upipe] document_balance``)."""
+    kept_attention: str | None = None
+    """``[activation_checkpoint] keep_attention``: which blocks keep their attention (``keep_attention_text``)."""
 
     def lines(self) -> list[str]:
         rows = [
@@ -64,6 +72,8 @@ class LayoutSummary:
                 rows.append(f"UPipe            U = {self.heads_per_stage} query heads per stage, {stages} stages")
         if self.document_layout:
             rows.append(f"packed documents {self.document_layout}")
+        if self.kept_attention:
+            rows.append(f"kept attention   {self.kept_attention}")
         rows.append(f"tokens per rank  {self.seq_len // max(self.cp_degree, 1)} of {self.seq_len}")
         return rows
 
@@ -73,6 +83,27 @@ def document_layout_summary(job_config, ring_degree: int) -> str | None:
     if ring_degree < 2 or not packs_documents(flavor_args(job_config, update=False)):
         return None
     return document_layout_text(plugin_fields(job_config.upipe, UPipe), ring_degree, job_config.training.seq_len)
+
+
+def keep_attention_text(job_config, world_size: int, host_mem_bytes: int | None) -> str | None:
+    """Which blocks keep their attention: the config's plan, or ``auto`` as the launch would size it on
+    a GPU of ``PLAN_GPU_GIB`` (this machine's when it has one) and ``host_mem_bytes`` per node."""
+    where, _ = checks.keep_attention.keep_setting(job_config)
+    if where == "off":
+        return None
+    n_layers = flavor_args(job_config, update=False).n_layers
+    if not checks.keep_attention.needs_planner(job_config):
+        return checks.keep_attention.keep_attention_plan(job_config).describe(n_layers)
+    here = MachineMemory.here(world_size)
+    gpu = here.gpu_bytes if here.device == "cuda" else PLAN_GPU_GIB * GIB
+    device = "cpu" if job_config.training.mixed_precision_param == "float32" else "cuda"  # as the planner reads it
+    machine = MachineMemory(gpu, float(host_mem_bytes or here.host_bytes), min(world_size, 8), device)
+    try:
+        plan = size_keep_attention_of_job(copy.copy(job_config), world_size, machine)
+    except ValueError:  # a setting the planner does not model: the launch says so
+        return f"{where}: sized at launch"
+    return (f"{where}, sized at launch for the GPU and host there; on {gpu / GIB:.0f} GiB GPUs with "
+            f"{machine.host_bytes / GIB:.0f} GiB of host memory per node: {plan.describe(n_layers)}")
 
 
 def _world_size_from_config(parallelism) -> int | None:
@@ -114,11 +145,6 @@ def available_host_memory() -> int | None:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-ASYNC_STATE_BYTES_PER_PARAM = CHECKPOINT_BYTES_PER_PARAMETER
-"""An async checkpoint stages each rank's shard of what a checkpoint holds (fp32 parameters and
-both AdamW moments) in host memory."""
-
-
 def _async_checkpoint(job_config) -> bool:
     return job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled"
 
@@ -127,11 +153,8 @@ def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
     """(bytes of host memory one node needs, what they are): the planner's offloaded block inputs
     plus an async checkpoint's staged state."""
     result = plan_from_job_config(job_config, world_size)
-    ranks_per_node = min(result.job.ranks, result.job.gpus_per_node)
-    parts = {"offloaded activations": result.host_bytes}
-    if _async_checkpoint(job_config):
-        state = ASYNC_STATE_BYTES_PER_PARAM * result.job.model.total_params // result.job.fsdp
-        parts["async checkpoint staging"] = state * ranks_per_node
+    parts = {"offloaded activations": result.host_bytes,
+             "async checkpoint staging": async_checkpoint_staging_bytes(job_config, result.job)}
     what = " + ".join(f"{name} {size / GIB:.1f} GiB" for name, size in parts.items() if size)
     return sum(parts.values()), what
 
@@ -168,7 +191,7 @@ def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None,
             f"GiB: {fix}")
 
 
-def summarize(job_config, world_size: int) -> LayoutSummary:
+def summarize(job_config, world_size: int, host_mem_bytes: int | None = None) -> LayoutSummary:
     """The resolved layout of a job the checks accepted (``checks.cp_layout``)."""
     n_heads, n_kv_heads = checks.model_heads(job_config)
     layout = checks.cp_layout(job_config)
@@ -180,6 +203,7 @@ def summarize(job_config, world_size: int) -> LayoutSummary:
         heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
         converters=tuple(job_config.model.converters),
         document_layout=document_layout_summary(job_config, layout.ring_degree),
+        kept_attention=keep_attention_text(job_config, world_size, host_mem_bytes),
     )
 
 
@@ -204,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
     problems = find_problems(job_config, world_size)
     warnings = checks.config_warnings(job_config)
+    host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None
+                        else (available_host_memory(), "this machine"))
     if not args.no_assets:
         problems += asset_problems(job_config)
-        host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None
-                            else (available_host_memory(), "this machine"))
         if not problems and (problem := host_memory_problem(job_config, world_size, host_mem, source)):
             problems.append(problem)
         warnings += job_assets.asset_warnings(job_config)
@@ -219,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {problem}")
         return 1
     print(f"{args.config}: OK for {world_size} ranks")
-    for line in summarize(job_config, world_size).lines():
+    for line in summarize(job_config, world_size, host_mem).lines():
         print(f"  {line}")
     return 0
 

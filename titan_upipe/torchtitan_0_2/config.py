@@ -51,8 +51,10 @@ class UPipe:
 
     attention_backend: str = "auto"
     """Local attention kernel: auto (at conversion, the fastest installed one that runs the
-    training dtype and head_dim, in the order measured on that GPU (titan_upipe/resources/kernel_speed.csv),
-    else flash_attn4 > flash_attn3 > flash_attn > sdpa > cudnn; logged and written to TensorBoard), sdpa
+    training dtype and head_dim, in the order measured on GPUs of that architecture
+    (titan_upipe/resources/kernel_speed.csv), unmeasured kernels placed by the architecture's default
+    order: sm90+ flash_attn4 > flash_attn3 > cudnn > flash_attn > sdpa, else flash_attn4 >
+    flash_attn3 > flash_attn > sdpa > cudnn; logged and written to TensorBoard), sdpa
     (torch's fused kernels, CPU and GPU), math (explicit fp32
     reference, any device), cudnn (cuDNN attention through torch's own ops: GPU sm80+, cuDNN >=
     9.15.1, fp16/bf16, head_dim a multiple of 8 up to 128), flash_attn, flash_attn3, flash_attn4
@@ -176,6 +178,21 @@ class ActivationCheckpointOffload:
     """With ``cpu_offload``: start the copy of the input the next block's backward needs only after
     this block's attention backward, not before its recompute: one hidden state less at the
     backward peak, a copy the next block may wait for (``docs/planner.md``, issue 18)."""
+
+    keep_attention: str = "off"
+    """With ``cpu_offload`` and a context-parallel converter: blocks keep their attention's output
+    and LSE from forward to backward, so their recomputation does not run the attention kernel's
+    forward again (``titan_upipe.attention.keep``; ``T x H x (D x a + 4)`` bytes per block and rank,
+    1.02 GiB for Llama3-8B at 1M tokens on 8 ranks). off (every block recomputes it), device (kept
+    on the GPU), host (in pinned host memory, copied on the offload streams and fetched back with
+    the block's input), auto (on the GPU for as many blocks as fit its memory, then on the host
+    for as many as fit host memory; sized by the planner at launch). The results are bit for bit
+    those of full recomputation."""
+
+    keep_attention_blocks: str = "auto"
+    """With ``keep_attention``: how many blocks keep (the last ones: their backward comes first),
+    a number from 0 to the model's blocks, or auto (as many as fit: the planner sizes it at launch,
+    from the GPU's memory and the node's host memory)."""
 
 
 @dataclass

@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torchtitan.tools.logging import init_logger, logger
@@ -70,11 +72,20 @@ def log_on_rank_zero_only(config=None) -> None:
     logging.getLogger().setLevel(logging.INFO if every_rank else logging.ERROR)
 
 
-def checked_config(args: list[str]):
-    """The parsed job after every check that needs no process group (layout, training counts, files);
-    rank 0 logs the settings that have no effect in this job (``checks.config_warnings``)."""
+JobPreparation = Callable[[Any, int], object]
+"""``prepare(job_config, world_size)``: what a tools-layer entry point decides for the job before any
+process group starts, left on the job config (``titan_upipe.train``: the planner sizes
+``keep_attention = "auto"``, ``plan.job_config.size_keep_attention_of_job``)."""
+
+
+def checked_config(args: list[str], prepare: JobPreparation | None = None):
+    """The parsed job after every check that needs no process group (layout, training counts, files)
+    and ``prepare``; rank 0 logs the settings that have no effect in this job (``checks.config_warnings``)."""
     config = parse_config(args)
-    check_job(config, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_job(config, world_size)
+    if prepare is not None:
+        prepare(config, world_size)
     check_assets(config)
     for warning in config_warnings(config):  # (rank 0 alone logs warnings: log_on_rank_zero_only)
         logger.warning(warning)
@@ -119,12 +130,12 @@ def run(config) -> None:
         logger.info(f"TensorBoard: {command}")
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None, prepare: JobPreparation | None = None) -> None:
     register_plugin()
     init_logger()
     log_on_rank_zero_only()
     try:
-        config = checked_config(sys.argv[1:] if args is None else args)
+        config = checked_config(sys.argv[1:] if args is None else args, prepare)
     except ConfigError as err:
         raise exit_on_config_error(err, every_rank=False) from None
     log_on_rank_zero_only(config)

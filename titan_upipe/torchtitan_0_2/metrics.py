@@ -54,7 +54,8 @@ from torchtitan.tools.utils import Color, NoColor
 
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
-from titan_upipe.torchtitan_0_2.flavors import head_dim
+from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 GIB = 1024**3
@@ -124,6 +125,7 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self.color = console_colors(job_config.metrics.disable_color_printing, sys.stdout)
         self._write_custom_scalars_layout()
         self._write_attention_backend(job_config)
+        self._write_keep_attention(job_config)
 
     def _set_flops_model(self, job_config, model_args) -> None:
         self._flops_per_token = -1
@@ -161,6 +163,16 @@ class LongContextMetricsProcessor(MetricsProcessor):
         text = attention_backend_choice(job_config).describe()
         for writer in self._tensorboard_writers():
             writer.add_text("upipe/attention_backend", text, 0)
+
+    def _write_keep_attention(self, job_config) -> None:
+        """Which blocks keep their attention (``[activation_checkpoint] keep_attention``, ``auto`` as
+        the planner sized it at launch), as the run's text tag ``upipe/keep_attention``."""
+        plan = known_keep_attention_plan(job_config)
+        if plan is None or cp_mode(job_config.model.converters) is None:
+            return
+        text = plan.describe(flavor_args(job_config, update=False).n_layers)
+        for writer in self._tensorboard_writers():
+            writer.add_text("upipe/keep_attention", text, 0)
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None) -> None:

@@ -14,6 +14,8 @@ converters is rejected (``validation.check_job``) with the settings to use inste
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
@@ -22,8 +24,14 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import apply_compile, disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
+from titan_upipe.attention.keep import KeepAttentionPlan
 from titan_upipe.torchtitan_0_2 import cpu_runtime
 from titan_upipe.torchtitan_0_2.checks import check_job
+from titan_upipe.torchtitan_0_2.checks.keep_attention import (
+    keep_attention_plan,
+    needs_planner,
+    set_keep_attention_plan,
+)
 from titan_upipe.torchtitan_0_2.compile_parts import compile_parts, needs_part_compile
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
@@ -41,10 +49,12 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     ac_config = job_config.activation_checkpoint
     offload = plugin_fields(ac_config, ActivationCheckpointOffload)
     if offload.cpu_offload:  # mode "full", checked by check_job
+        keep = agreed_keep_plan(job_config)
         apply_offloaded_ac(model, pin_memory=ac_config.pin_memory,
                            prefetch_after_attention=offload.prefetch_after_attention,
-                           resident_blocks=offload.resident_blocks)
-        logger.info("Applied full activation checkpointing with block inputs offloaded to host memory")
+                           resident_blocks=offload.resident_blocks, keep=keep)
+        logger.info("Applied full activation checkpointing with block inputs offloaded to host memory; %s",
+                    keep.describe(len(model.layers)))
     elif ac_config.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
                  base_folder=job_config.job.dump_folder)
@@ -71,6 +81,25 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
             "by titan_upipe: use parallelism.data_parallel_shard_degree (FSDP) instead"
         )
     return model
+
+
+def agreed_keep_plan(job_config) -> KeepAttentionPlan:
+    """The job's kept-attention plan, the same on every rank. A planner-sized (``auto``) plan follows
+    from each machine's memory, which nodes may report a few MB apart; a block that keeps skips
+    communication its recomputation would run, so every rank must keep the same blocks: the
+    smallest counts of all ranks (one all-reduce before any training)."""
+    plan = keep_attention_plan(job_config)
+    if not needs_planner(job_config) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    counts = torch.tensor([plan.device_blocks, plan.host_blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+    agreed = KeepAttentionPlan(int(counts[0]), int(counts[1]))
+    if agreed != plan:
+        logger.warning("keep_attention: this rank's memory fits %s; every rank keeps %s (the smallest plan)",
+                       plan, agreed)
+        set_keep_attention_plan(job_config, agreed)  # what TensorBoard's upipe/keep_attention then says
+    return agreed
 
 
 def apply_fsdp(model: nn.Module, mesh, job_config: JobConfig,

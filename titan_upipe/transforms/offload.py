@@ -30,6 +30,14 @@ with hooks of its own, which running its halves directly would skip) is checkpoi
 whole-block :class:`OffloadedCheckpointFunction` and holds its incoming gradient through its whole
 backward.
 
+Kept attention (``keep``: a :class:`~titan_upipe.attention.keep.KeepAttentionPlan`): a block that
+keeps passes a :class:`~titan_upipe.attention.keep.KeptAttention` to its attention, which records its
+kernel results (output and LSE) in the block's forward; the feed-forward half's backward recomputes
+the block with them replayed, so the attention kernel's forward does not run twice. Kept on the
+device, they cost device memory from the block's forward to its backward; kept on the host, they
+travel like the block's input (the offload side stream out, the prefetch stream back, started with
+the block input's prefetch).
+
 On CPU the "host buffer" is a separate CPU tensor: the copy and the bookkeeping
 (:data:`OFFLOAD_STATS`) are the same, only the streams are absent.
 
@@ -50,6 +58,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torchtitan.models.llama3.model.model import TransformerBlock as Llama3Block
 from torchtitan.models.qwen3.model.model import TransformerBlock as Qwen3Block
 
+from titan_upipe.attention.keep import NO_KEEP, KeepAttentionPlan, KeptAttention, Placement
+from titan_upipe.attention.module import ContextParallelAttention
+from titan_upipe.errors import ConfigError
+
 Tensor = torch.Tensor
 
 
@@ -64,15 +76,23 @@ class OffloadStats:
     """Inputs whose copy on the compute device exists ahead of their block's backward (prefetched,
     not yet fetched). On CPU the host tensor stands for that copy: the rank emulator counts these
     bytes as device memory from the prefetch on, where a GPU would hold them."""
+    kept_attention_bytes: int = 0
+    """Of ``host_bytes``, the kept attention results of blocks that keep them on the host."""
+    peak_kept_attention_bytes: int = 0
 
-    def add(self, nbytes: int) -> None:
+    def add(self, nbytes: int, kept_attention: bool = False) -> None:
         self.host_bytes += nbytes
         self.saved_tensors += 1
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        if kept_attention:
+            self.kept_attention_bytes += nbytes
+            self.peak_kept_attention_bytes = max(self.peak_kept_attention_bytes, self.kept_attention_bytes)
 
-    def remove(self, nbytes: int) -> None:
+    def remove(self, nbytes: int, kept_attention: bool = False) -> None:
         self.host_bytes -= nbytes
         self.saved_tensors -= 1
+        if kept_attention:
+            self.kept_attention_bytes -= nbytes
 
 
 OFFLOAD_STATS = OffloadStats()
@@ -98,16 +118,20 @@ class _Streams:
 
 class OffloadedInput:
     """One block input living in host memory from forward to backward (or, ``resident``, kept on
-    the device as it is: no copy either way)."""
+    the device as it is: no copy either way). ``kept``: the block's kept attention, brought back
+    with it (``prefetch``). ``kept_attention``: this is one of those kept tensors, not an input
+    (a ``keep.Holder``; counted apart in ``OFFLOAD_STATS``)."""
 
     def __init__(self, x: Tensor, pin_memory: bool, streams: _Streams, previous: OffloadedInput | None,
-                 resident: bool = False) -> None:
+                 resident: bool = False, kept: KeptAttention | None = None, kept_attention: bool = False) -> None:
         self.device, self.previous, self.streams, self.resident = x.device, previous, streams, resident
+        self.kept, self.kept_attention = kept, kept_attention
         if resident:
             self.host, self.copied, self.fetched, self.nbytes = x, None, None, 0
             return
-        self.host: Tensor | None = torch.empty(x.shape, dtype=x.dtype, device="cpu",
-                                               pin_memory=pin_memory and x.is_cuda)
+        # empty_like keeps a dense tensor's strides (a kernel's transposed output, say): the copy
+        # that comes back is laid out as the original
+        self.host: Tensor | None = torch.empty_like(x, device="cpu", pin_memory=pin_memory and x.is_cuda)
         self.copied: torch.cuda.Event | None = None
         self.fetched: tuple[Tensor, torch.cuda.Event] | None = None
         if x.is_cuda:
@@ -121,11 +145,14 @@ class OffloadedInput:
         else:
             self.host.copy_(x)
         self.nbytes = self.host.numel() * self.host.element_size()
-        OFFLOAD_STATS.add(self.nbytes)
+        OFFLOAD_STATS.add(self.nbytes, kept_attention)
 
     def prefetch(self) -> None:
         """Start the host-to-device copy on the prefetch stream (CUDA; on CPU only the accounting:
-        ``OFFLOAD_STATS.prefetched_bytes``; nothing for a resident input)."""
+        ``OFFLOAD_STATS.prefetched_bytes``; nothing for a resident input), and the block's kept
+        attention's (wherever its input is)."""
+        if self.kept is not None:
+            self.kept.prefetch()
         if self.fetched is not None or self.host is None or self.resident:
             return
         OFFLOAD_STATS.prefetched_bytes += self.nbytes
@@ -152,6 +179,8 @@ class OffloadedInput:
         if self.host is None:
             raise RuntimeError("offloaded block input fetched twice (backward through the graph twice "
                                "needs retain_graph, which offloaded checkpointing does not support)")
+        if self.kept is not None:  # all of the block's kept copies travel at once (the top block's: now)
+            self.kept.prefetch()
         if prefetch_previous:
             self.prefetch_previous()
         if self.resident:
@@ -167,7 +196,7 @@ class OffloadedInput:
             OFFLOAD_STATS.prefetched_bytes -= self.nbytes
         self.host = self.fetched = None
         if not self.resident:
-            OFFLOAD_STATS.remove(self.nbytes)
+            OFFLOAD_STATS.remove(self.nbytes, self.kept_attention)
         return on_device
 
 
@@ -205,8 +234,9 @@ class SplitBlock:
     offloaded input, from forward to the feed-forward half's backward; the recomputed attention
     graph, from there to the attention half's backward."""
 
-    def __init__(self, block: nn.Module, attention_args: tuple, prefetch_late: bool = False) -> None:
-        self.block, self.attention_args, self.prefetch_late = block, attention_args, prefetch_late
+    def __init__(self, block: nn.Module, attention_args: tuple, prefetch_late: bool = False,
+                 kept: KeptAttention | None = None) -> None:
+        self.block, self.attention_args, self.prefetch_late, self.kept = block, attention_args, prefetch_late, kept
         self.saved_input: OffloadedInput | None = None
         self.fetched_input: OffloadedInput | None = None
         """The fetched slot, whose ``prefetch_previous`` the attention half's backward calls."""
@@ -214,7 +244,9 @@ class SplitBlock:
 
     def attention_half(self, x: Tensor) -> Tensor:
         block = self.block
-        return x + block.attention(block.attention_norm(x), *self.attention_args)
+        if self.kept is None:
+            return x + block.attention(block.attention_norm(x), *self.attention_args)
+        return x + block.attention(block.attention_norm(x), *self.attention_args, kept=self.kept)
 
     def feed_forward_branch(self, h: Tensor) -> Tensor:
         block = self.block
@@ -254,7 +286,9 @@ class OffloadedAttentionHalf(torch.autograd.Function):
     def forward(ctx, x: Tensor, split: SplitBlock, slot_factory) -> Tensor:
         with torch.no_grad():
             h = split.attention_half(x)
-        split.saved_input = slot_factory(x)
+        if split.kept is not None:
+            split.kept.seal()  # the recomputation replays what this forward recorded
+        split.saved_input = slot_factory(x, split.kept)
         ctx.split = split
         return h
 
@@ -318,20 +352,34 @@ class OffloadSchedule:
         self.last: OffloadedInput | None = None
 
     def slot_factory(self, first_block: bool, resident: bool = False):
-        def make(x: Tensor) -> OffloadedInput:
-            slot = OffloadedInput(x, self.pin_memory, self.streams, None if first_block else self.last, resident)
+        def make(x: Tensor, kept: KeptAttention | None = None) -> OffloadedInput:
+            slot = OffloadedInput(x, self.pin_memory, self.streams, None if first_block else self.last, resident,
+                                  kept)
             self.last = slot
             return slot
 
         return make
 
+    def kept_attention(self, placement: Placement | None) -> KeptAttention | None:
+        """A new record of one block call's kept attention: on the device, in host memory (the
+        offload streams, pinned as the block inputs are), or None for a block that does not keep."""
+        if placement is None:
+            return None
+        if placement == "device":
+            return KeptAttention()
+        return KeptAttention(lambda t: OffloadedInput(t, self.pin_memory, self.streams, None, kept_attention=True))
+
 
 class OffloadedCheckpointWrapper(ActivationWrapper):
-    """A transformer block under full activation checkpointing with its input offloaded."""
+    """A transformer block under full activation checkpointing with its input offloaded; ``keep``:
+    where it keeps its attention's kernel results (None: it recomputes them)."""
 
-    def __init__(self, block: nn.Module, schedule: OffloadSchedule, first_block: bool, resident: bool = False) -> None:
+    def __init__(self, block: nn.Module, schedule: OffloadSchedule, first_block: bool, resident: bool = False,
+                 keep: Placement | None = None) -> None:
         super().__init__(block)
-        self.schedule, self.first_block, self.resident = schedule, first_block, resident
+        if keep is not None:
+            check_keeps(block)
+        self.schedule, self.first_block, self.resident, self.keep = schedule, first_block, resident, keep
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         block = self._checkpoint_wrapped_module
@@ -341,7 +389,7 @@ class OffloadedCheckpointWrapper(ActivationWrapper):
         slot_factory = self.schedule.slot_factory(self.first_block, self.resident)
         if splits_at_h(block):
             split = SplitBlock(block, attention_args(block, x, *args, **kwargs),
-                               self.schedule.prefetch_after_attention)
+                               self.schedule.prefetch_after_attention, self.schedule.kept_attention(self.keep))
             h = OffloadedAttentionHalf.apply(x, split, slot_factory)
             return OffloadedFeedForwardHalf.apply(h, split)
 
@@ -351,14 +399,28 @@ class OffloadedCheckpointWrapper(ActivationWrapper):
         return OffloadedCheckpointFunction.apply(run, x, slot_factory, self.schedule.prefetch_after_attention)
 
 
+def check_keeps(block: nn.Module) -> None:
+    """A block can keep its attention: a TorchTitan Llama3/Qwen3 block (split at ``h``) whose
+    attention is context-parallel (it takes the ``kept`` record). ConfigError otherwise."""
+    if not splits_at_h(block):
+        raise ConfigError(f"activation_checkpoint.keep_attention needs TorchTitan's Llama3/Qwen3 blocks without "
+                          f"hooks of their own; got {type(block).__name__}: set keep_attention = \"off\"")
+    if not isinstance(block.attention, ContextParallelAttention):
+        raise ConfigError("activation_checkpoint.keep_attention keeps the results of the plugin's context-parallel "
+                          f"attention; this block's is TorchTitan's {type(block.attention).__name__}: add a CP "
+                          "converter (ulysses, upipe, ring, usp, tsp) to model.converters, or set keep_attention = "
+                          "\"off\"")
+
+
 def apply_offloaded_ac(model: nn.Module, pin_memory: bool, prefetch_after_attention: bool = False,
-                       resident_blocks: int = 0) -> OffloadSchedule:
+                       resident_blocks: int = 0, keep: KeepAttentionPlan = NO_KEEP) -> OffloadSchedule:
     """Wrap every block of ``model.layers`` (TorchTitan layout) in place; the last ``resident_blocks``
-    keep their input on the device."""
+    keep their input on the device; ``keep`` says which blocks keep their attention, and where."""
     schedule = OffloadSchedule(pin_memory, prefetch_after_attention)
     blocks = list(model.layers.named_children())
     for index, (name, block) in enumerate(blocks):
         resident = index >= len(blocks) - resident_blocks
         model.layers.register_module(name, OffloadedCheckpointWrapper(block, schedule, first_block=index == 0,
-                                                                      resident=resident))
+                                                                      resident=resident,
+                                                                      keep=keep.placement(index, len(blocks))))
     return schedule

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_upipe.attention.backend_base import LocalAttentionBackend
+from titan_upipe.attention.keep import KeptAttention, recording, replaying
 from titan_upipe.attention.projection import RotaryKind, rotate
 from titan_upipe.attention.ring import merge_partial
 from titan_upipe.parallel.layout import ZigzagLayout
@@ -106,14 +107,15 @@ class GatheredCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, kv_local: Tensor, layout: ZigzagLayout, rank: int, group: dist.ProcessGroup | None,
-                kernel: LocalAttentionBackend, scale: float, log: CommLog | None, pending: Pending | None) -> Tensor:
-        k_all, v_all = _natural_kv(_gather(kv_local, group, log, "forward", pending), layout)
-        chunk, outs, lses = layout.chunk_len, [], []
-        for half, c in zip(q.split(chunk, dim=2), layout.ring_chunks(rank), strict=True):
-            keys = (c + 1) * chunk
-            out, lse = prefix_causal_forward(half, k_all[:, :, :keys], v_all[:, :, :keys], kernel, scale)
-            outs.append(out)
-            lses.append(lse)
+                kernel: LocalAttentionBackend, scale: float, log: CommLog | None, pending: Pending | None,
+                kept: KeptAttention | None = None) -> Tensor:
+        if replaying(kept):  # the recomputation of a block that kept them: no all-gather, no kernel
+            out0, out1, lse0, lse1 = kept.replay()
+            outs, lses = [out0, out1], [lse0, lse1]
+        else:
+            outs, lses = _gathered_forward(q, kv_local, layout, rank, group, kernel, scale, log, pending)
+            if recording(kept):
+                kept.record(*outs, *lses)
         ctx.save_for_backward(q, kv_local, *outs, *lses)
         ctx.layout, ctx.rank, ctx.group, ctx.kernel, ctx.scale, ctx.log = layout, rank, group, kernel, scale, log
         return torch.cat(outs, dim=2)
@@ -141,14 +143,29 @@ class GatheredCausalAttention(torch.autograd.Function):
         per_rank = torch.stack([layout.shard(dkv, r, seq_dim=2) for r in range(layout.ring_size)])
         del dkv, dk_all, dv_all
         dkv_local = per_rank[0] if ctx.group is None else reduce_scatter_stacked(per_rank, ctx.group, ctx.log)
-        return torch.cat(dqs, dim=2), dkv_local.to(kv_local.dtype), None, None, None, None, None, None, None
+        return torch.cat(dqs, dim=2), dkv_local.to(kv_local.dtype), None, None, None, None, None, None, None, None
+
+
+def _gathered_forward(q: Tensor, kv_local: Tensor, layout: ZigzagLayout, rank: int, group: dist.ProcessGroup | None,
+                      kernel: LocalAttentionBackend, scale: float, log: CommLog | None,
+                      pending: Pending | None) -> tuple[list[Tensor], list[Tensor]]:
+    """``GatheredCausalAttention``'s forward: the bucket's whole-sequence K/V, then each zigzag
+    query chunk over its key prefix; ``([out0, out1], [lse0, lse1])``."""
+    k_all, v_all = _natural_kv(_gather(kv_local, group, log, "forward", pending), layout)
+    chunk, outs, lses = layout.chunk_len, [], []
+    for half, c in zip(q.split(chunk, dim=2), layout.ring_chunks(rank), strict=True):
+        keys = (c + 1) * chunk
+        out, lse = prefix_causal_forward(half, k_all[:, :, :keys], v_all[:, :, :keys], kernel, scale)
+        outs.append(out)
+        lses.append(lse)
+    return outs, lses
 
 
 def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLayout, group: dist.ProcessGroup | None,
                   kernel: LocalAttentionBackend, scale: float, rope_table: Tensor, positions: Tensor,
                   rotary: RotaryKind, q_norm: Tensor | None = None, k_norm: Tensor | None = None,
                   norm_eps: float | None = None, bucket_kv_heads: int | None = None,
-                  log: CommLog | None = None, overlap: bool = True) -> Tensor:
+                  log: CommLog | None = None, overlap: bool = True, kept: KeptAttention | None = None) -> Tensor:
     """``Y [B, S/D, d]`` of TSP attention on this rank (module docstring).
 
     ``x``: this rank's zigzag tokens ``[B, S/D, d]``; ``packed``: its ``[Wq | Wk | Wv | Wo^T]``
@@ -156,7 +173,10 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
     positions (``layout.positions(rank)``); ``bucket_kv_heads``: KV heads per all-gather (default:
     all of a shard's, one all-gather per owner); ``log``: counts the bytes this rank receives;
     ``overlap``: start owner ``r + 1``'s broadcast before owner ``r``'s compute and bucket ``b + 1``'s
-    all-gather before bucket ``b``'s attention (async collectives; the same numbers either way)."""
+    all-gather before bucket ``b``'s attention (async collectives; the same numbers either way);
+    ``kept``: the block's kept kernel results (``attention.keep``), recorded per owner and bucket in
+    forward; its recomputation replays them and gathers no K/V (the weights still travel: the
+    projections are recomputed for the backward)."""
     rank = 0 if group is None else dist.get_rank(group)
     b, local_len, _ = x.shape
     hd, kv_per_rank, group_size = shards.head_dim, shards.kv_heads, shards.n_heads // shards.n_kv_heads
@@ -188,14 +208,15 @@ def tsp_attention(x: Tensor, packed: Tensor, shards: TSPShards, layout: ZigzagLa
         q, k = rotate(q, rope_table, positions, rotary), rotate(k, rope_table, positions, rotary)
         starts = range(0, kv_per_rank, bucket)
         stacks = [torch.stack([k[:, :, i:i + bucket], v[:, :, i:i + bucket]]) for i in starts]  # [2, B, L, bk, hd]
-        outs, next_kv = [], start_all_gather(stacks[0], group) if overlap else None
+        gathers = overlap and not replaying(kept)  # a replay attends nothing: no K/V travel
+        outs, next_kv = [], start_all_gather(stacks[0], group) if gathers else None
         for index, start in enumerate(starts):
             kv, next_kv = next_kv, None
-            if overlap and index + 1 < len(stacks):  # the next bucket's K/V travel during this attention
+            if gathers and index + 1 < len(stacks):  # the next bucket's K/V travel during this attention
                 next_kv = start_all_gather(stacks[index + 1], group)
             heads = slice(start * group_size, (start + bucket) * group_size)
             outs.append(GatheredCausalAttention.apply(q[:, :, heads].transpose(1, 2), stacks[index], layout, rank,
-                                                      group, kernel, scale, log, kv))
+                                                      group, kernel, scale, log, kv, kept))
         attended = torch.cat(outs, dim=1).transpose(1, 2).reshape(b, local_len, shards.heads * hd)
         contribution = (attended @ wo_t).float()  # summed over the D owners in fp32
         y = contribution if y is None else y + contribution

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_upipe.attention.documents import check_attention_masks
 from titan_upipe.attention.input_checks import check_local_inputs
+from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
 from titan_upipe.attention.schedule import build_schedule
 from titan_upipe.errors import ConfigError
@@ -93,7 +94,8 @@ class TSPAttention(ContextParallelAttention):
                 f"kv_heads_per_bucket={self.kv_heads_per_bucket or self.shards.kv_heads}, overlap={self.overlap}, "
                 f"backend={self.backend.name}")
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, freqs_cis: Tensor, attention_masks: object, positions: Tensor | None = None,
+                kept: KeptAttention | None = None) -> Tensor:
         check_local_inputs(x, positions, self.cp_degree)
         global_len = x.shape[1] * self.cp_degree
         if check_attention_masks(attention_masks, global_len, x.shape[0]) is not None:
@@ -106,7 +108,7 @@ class TSPAttention(ContextParallelAttention):
                              self.backend, self.spec.scale, freqs_cis, self._local_positions(x, positions),
                              self.spec.rotary, *norms, norm_eps=self.spec.norm_eps,
                              bucket_kv_heads=self.kv_heads_per_bucket or None, log=self.comm_log,
-                             overlap=self.overlap)
+                             overlap=self.overlap, kept=kept)
 
 
 class TSPFeedForward(nn.Module):

@@ -15,6 +15,7 @@ parallelism      ``[parallelism]`` degrees and world size; ``[upipe]``/``[tsp]``
 model            ``[model]`` converters and the flavor's masks, ``[transforms]``, ``[compile]``,
                  the kernel of ``[upipe] attention_backend``
 training         ``[training]``, ``[validation]``, ``[activation_checkpoint]``, ``[optimizer]``
+keep_attention   ``[activation_checkpoint] keep_attention``: the check and the job's one plan
 ignored          plugin keys with no effect in the job's layout: warnings (``config_warnings``)
 ===============  ===========================================================================
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from titan_upipe.torchtitan_0_2.checks import model, parallelism, training
+from titan_upipe.torchtitan_0_2.checks import keep_attention, model, parallelism, training
 from titan_upipe.torchtitan_0_2.checks.model import (
     PLUGIN_IMPORT,
     attention_backend_choice,
@@ -54,6 +55,7 @@ JOB_CHECKS: tuple[JobCheck, ...] = (
     model.check_document_masking,
     model.check_transforms,
     training.check_offload,
+    keep_attention.check_keep_attention,
     training.check_validation,
     model.check_compile,
     training.check_activation_checkpointing,

@@ -74,6 +74,11 @@ def _not_offloaded(job_config) -> str | None:
     return "activation_checkpoint.cpu_offload is false (no block input is offloaded)"
 
 
+def _keeps_no_attention(job_config) -> str | None:
+    where = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload).keep_attention
+    return None if where != "off" else "activation_checkpoint.keep_attention is \"off\" (no block keeps its attention)"
+
+
 def _local_readers(job_config) -> list[str]:
     """The settings whose dataset is ``local_text``."""
     validation = job_config.validation
@@ -136,6 +141,8 @@ RULES = (
          ", or add 'fused_ce' to model.converters"),
     Rule("activation_checkpoint", ActivationCheckpointOffload, ("pin_memory",), _not_offloaded,
          ", or set activation_checkpoint.cpu_offload = true"),
+    Rule("activation_checkpoint", ActivationCheckpointOffload, ("keep_attention_blocks",), _keeps_no_attention,
+         ", or set activation_checkpoint.keep_attention = \"auto\""),
     Rule("local_data", LocalData, ("paths",), _no_local_training_data, ""),
     Rule("local_data", LocalData, (), _no_local_data, ""),
 )
@@ -191,9 +198,20 @@ def _offloads_nothing(job_config) -> list[str]:
             "cpu_offload = false, or resident_blocks below the block count"]
 
 
+def _keeps_nothing(job_config) -> list[str]:
+    """``keep_attention`` with ``keep_attention_blocks = 0``: no block keeps."""
+    offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload)
+    blocks = str(offload.keep_attention_blocks).strip()
+    if offload.keep_attention == "off" or blocks != "0":
+        return []
+    return [f"activation_checkpoint.keep_attention = {_toml(offload.keep_attention)} has no effect: "
+            "keep_attention_blocks = 0 keeps no block's attention; set keep_attention_blocks to a number of blocks "
+            "or \"auto\", or keep_attention = \"off\""]
+
+
 def ignored_settings(job_config) -> list[str]:
     """One line per setting that has no effect in this job: the key, its value, why, the fix."""
-    lines = _offloads_nothing(job_config)
+    lines = _offloads_nothing(job_config) + _keeps_nothing(job_config)
     for rule in RULES:
         section = getattr(job_config, rule.section, None)
         if section is None:  # parsed without the plugin's sections

@@ -1,0 +1,106 @@
+"""``[activation_checkpoint] keep_attention`` and ``keep_attention_blocks``: the check, and the job's
+one :class:`~titan_upipe.attention.keep.KeepAttentionPlan`.
+
+A plan with a number of blocks and one place (``device`` or ``host`` with ``keep_attention_blocks =
+N``) follows from the config alone. ``auto`` (either key) depends on the memory of the machine the
+job runs on: the planner sizes it at launch (``titan_upipe.plan.keep``, called by the tools'
+entry points before any process group starts) and leaves the plan here, on the job config
+(:func:`set_keep_attention_plan`), where ``parallelize`` reads it (:func:`keep_attention_plan`).
+"""
+
+from __future__ import annotations
+
+from titan_upipe.attention.keep import NO_KEEP, KeepAttentionPlan
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, plugin_fields
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
+
+KEEP_ATTENTION = ("off", "device", "host", "auto")
+AUTO = "auto"
+PLAN_ATTRIBUTE = "_titan_upipe_keep_plan"
+
+
+def keep_setting(job_config) -> tuple[str, int | None]:
+    """``(keep_attention, blocks)``: blocks None for ``auto``. Raises ConfigError for a bad value."""
+    offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload)
+    where, blocks = offload.keep_attention, offload.keep_attention_blocks
+    if where not in KEEP_ATTENTION:
+        raise ConfigError(f"invalid activation_checkpoint.keep_attention = {where!r}: valid values are "
+                          f"{', '.join(KEEP_ATTENTION)}")
+    n_layers = flavor_args(job_config, update=False).n_layers
+    if isinstance(blocks, str) and blocks.strip() == AUTO:
+        return where, None
+    count = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else None
+    if isinstance(blocks, str) and blocks.strip().isdigit():
+        count = int(blocks.strip())
+    if count is None or not 0 <= count <= n_layers:
+        raise ConfigError(f"invalid activation_checkpoint.keep_attention_blocks = {blocks!r}: valid values are "
+                          f"\"auto\" (as many as fit) or a number of blocks from 0 to the {n_layers} of model.flavor "
+                          f"{job_config.model.flavor!r}")
+    return where, count
+
+
+def check_keep_attention(job_config, world_size: int) -> None:
+    """``keep_attention`` other than off: the plugin's offloaded full AC (its wrapper replays the
+    blocks) and a context-parallel converter (its attention takes the record)."""
+    where, _ = keep_setting(job_config)
+    if where == "off":
+        return
+    ac = job_config.activation_checkpoint
+    if ac.mode != "full" or not plugin_fields(ac, ActivationCheckpointOffload).cpu_offload:
+        raise ConfigError(
+            f"activation_checkpoint.keep_attention = {where!r} skips the attention recompute of the plugin's "
+            f"offloaded full checkpointing, which this job does not use (mode = {ac.mode!r}, cpu_offload = "
+            f"{str(plugin_fields(ac, ActivationCheckpointOffload).cpu_offload).lower()}): set "
+            "activation_checkpoint.mode = \"full\" and cpu_offload = true (resident_blocks = N keeps block inputs "
+            "on the device), or keep_attention = \"off\"")
+    mode = cp_mode(list(job_config.model.converters))
+    if mode is None:
+        raise ConfigError(
+            f"activation_checkpoint.keep_attention = {where!r} keeps the results of the plugin's context-parallel "
+            "attention; without a CP converter the blocks run TorchTitan's own attention, which has no kept path: "
+            "add one of ulysses, upipe, ring, usp, tsp to model.converters, or set keep_attention = \"off\"")
+
+
+def needs_planner(job_config) -> bool:
+    """Whether the plan depends on the machine's memory (``auto`` in either key)."""
+    where, blocks = keep_setting(job_config)
+    return where != "off" and (where == AUTO or blocks is None)
+
+
+def plan_of_setting(job_config) -> KeepAttentionPlan | None:
+    """The plan the config states on its own (None where the planner must size it)."""
+    where, blocks = keep_setting(job_config)
+    if where == "off" or blocks == 0:
+        return NO_KEEP
+    if needs_planner(job_config):
+        return None
+    return KeepAttentionPlan(device_blocks=blocks) if where == "device" else KeepAttentionPlan(host_blocks=blocks)
+
+
+def set_keep_attention_plan(job_config, plan: KeepAttentionPlan) -> None:
+    """The planner's sizing of an ``auto`` setting, for :func:`keep_attention_plan` (the tools' entry
+    points call it before any process group starts)."""
+    vars(job_config)[PLAN_ATTRIBUTE] = (keep_setting(job_config), plan)
+
+
+def known_keep_attention_plan(job_config) -> KeepAttentionPlan | None:
+    """The config's own plan, or the planner's sizing of ``auto`` when it ran; else None."""
+    stated = plan_of_setting(job_config)
+    if stated is not None:
+        return stated
+    sized = vars(job_config).get(PLAN_ATTRIBUTE)
+    return sized[1] if sized is not None and sized[0] == keep_setting(job_config) else None
+
+
+def keep_attention_plan(job_config) -> KeepAttentionPlan:
+    """The job's plan: the config's own, or the planner's sizing of ``auto``; ConfigError when an
+    ``auto`` setting reaches the model unsized (launched without the plugin's entry points)."""
+    plan = known_keep_attention_plan(job_config)
+    if plan is None:
+        raise ConfigError(
+            "activation_checkpoint.keep_attention / keep_attention_blocks = \"auto\" is sized by the memory planner "
+            "at launch, which did not run: launch with torchrun ... -m titan_upipe.train (or the emulator, check), "
+            "or give keep_attention = \"device\" or \"host\" with keep_attention_blocks = N")
+    return plan
