@@ -29,9 +29,12 @@ test: $(STAMP)
 
 # The embedded default: UPipe context parallelism (CP=2, U=C) + FSDP on 2 CPU gloo ranks,
 # ~30 steps of the synthetic copy task. At the end the trainer logs the TensorBoard command for
-# the dump folder it used (RUN_ARGS="--job.dump_folder X" included).
+# the dump folder it used (RUN_ARGS="--job.dump_folder X" included). The launch's checks run
+# first in one process (a job that cannot run stops with one line, no worker started); torchrun
+# runs through titan_upipe.tools.torchrun (Ctrl-C: one line, exit 130, no traceback).
 run: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
+	$(BIN)/python -m titan_upipe.train --check-only --world-size $(NPROC) --job.config_file $(RUN_CONFIG) $(RUN_ARGS)
+	$(BIN)/python -m titan_upipe.tools.torchrun --standalone --nproc_per_node $(NPROC) -m titan_upipe.train \
 		--job.config_file $(RUN_CONFIG) $(RUN_ARGS)
 
 # Benchmarks (not tests): results go to docs/benchmarks/ with device, date and command.

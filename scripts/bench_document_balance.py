@@ -10,7 +10,10 @@ ring step under block-causal document masking, for
 * ``greedy-m``   m chunks per rank assigned per batch, heaviest chunk to the lightest rank,
 * ``doczz``      zigzag inside every document of >= ``--min-split`` tokens, short ones fill
   (``doczz-64K``: the same with 65536; ``doczz-g``: short documents dealt whole, longest first,
-  to the rank with the least work that has room).
+  to the rank with the least work that has room, from the job's split length
+  ``split_threshold(S, R, --min-split)``: the job's layout of issue 35);
+* ``doczz-b``    the job's layout since issue 42 (``parallel.document_deal.row_deal``): ``doczz-g``,
+  shorter documents split where the balance needs it, the fixed zigzag where that is not busier.
 
 Reported per (mix, S, R, layout), over ``--seeds`` batches, all relative to perfect balance:
 
@@ -54,12 +57,16 @@ from titan_upipe.costs.document_balance import (  # noqa: E402
     document_zigzag_intervals,
     greedy_chunk_intervals,
     imbalance,
+    job_intervals,
     merge_runs,
+    runs_intervals,
     simulate_ring,
+    split_threshold,
     step_work,
     zigzag_intervals,
 )
 from titan_upipe.costs.document_mixes import LONG_MIN, make_batch  # noqa: E402
+from titan_upipe.parallel.document_deal import row_deal, zigzag_deal  # noqa: E402
 
 
 def layouts(lengths: list[int], seq_len: int, R: int, min_split: int) -> dict[str, np.ndarray]:
@@ -73,9 +80,17 @@ def layouts(lengths: list[int], seq_len: int, R: int, min_split: int) -> dict[st
         "greedy-8": greedy_chunk_intervals(lengths, R, 8),
         "doczz": document_zigzag_intervals(lengths, R, min_split),
         "doczz-64K": document_zigzag_intervals(lengths, R, 65536),
-        "doczz-g": document_zigzag_intervals(lengths, R, min_split, greedy_fill=True),
+        "doczz-g": document_zigzag_intervals(lengths, R, split_threshold(seq_len, R, min_split), greedy_fill=True),
+        "doczz-b": job_intervals(lengths, R, "documents", min_split),
     }
     return out
+
+
+def _sim(W: np.ndarray, bwd_factor: float) -> float:
+    """Forward + backward ring pass through ``simulate_ring``, no transfer cost, over the balanced time."""
+    R = W.shape[0]
+    return ((simulate_ring(W) + simulate_ring(bwd_factor * W, backward=True))
+            / ((1 + bwd_factor) * W.sum() / R))
 
 
 def _attention_time(w: np.ndarray, comm: float, bwd_factor: float) -> float:
@@ -93,8 +108,7 @@ def batch_rows(lengths: list[int], mix: str, seed: int, rings: list[int], args: 
             imb = imbalance(W)
             flat = np.full_like(W, W.sum() / R**2)
             bf = args.bwd_factor
-            sim = ((simulate_ring(W) + simulate_ring(bf * W, backward=True))
-                   / ((1 + bf) * W.sum() / R))
+            sim = _sim(W, bf)
             c = args.comm_pairs * S / R
 
             lin = args.tok_pairs * S / R
@@ -107,7 +121,11 @@ def batch_rows(lengths: list[int], mix: str, seed: int, rings: list[int], args: 
 
 
 KEY_MIXES = ("mixed-0.005", "mixed-0.02", "all-short", "long-start")
-KEY_LAYOUTS = ("zigzag", "snake-16", "greedy-8", "doczz", "doczz-g")
+KEY_LAYOUTS = ("zigzag", "snake-16", "greedy-8", "doczz", "doczz-g", "doczz-b")
+CLAIM_MIXES = ("mixed-0.005", "mixed-0.02", "all-short", "long-start", "long-end", "near-16384", "near-4096",
+               "one-near-16384", "one-near-4096", "pareto-1.3")
+CLAIM_BOUND, CLAIM_WHERE = 1.05, 1.2
+"""Issue 42's claim: the job's layout within 1.05 of the mean wherever the fixed zigzag exceeds 1.2."""
 
 
 def key_results(rows: list[dict], rings: list[int]) -> list[str]:
@@ -128,6 +146,64 @@ def key_results(rows: list[dict], rings: list[int]) -> list[str]:
     return lines
 
 
+def _size(seq_len: int) -> str:
+    return f"{seq_len >> 20}M" if seq_len >= 1 << 20 else f"{seq_len >> 10}K"
+
+
+def _ratio(work) -> float:
+    work = np.asarray(work, dtype=np.float64)
+    return float(work.max() / work.mean())
+
+
+def claim_rows(args: argparse.Namespace) -> tuple[list[dict], list[float]]:
+    """Per batch of ``--claim-mixes`` x ``--claim-seq-lens`` x ``--claim-seeds`` and ring size: busiest /
+    mean under the fixed zigzag, ``doczz-g`` (issue 35's job layout) and ``doczz-b`` (the job's now,
+    ``row_deal``: its own exact count, checked against ``step_work``), ``doczz-b``'s ``sim``; and the
+    seconds each ``row_deal`` took (not in the tables: they vary from run to run)."""
+    rows, seconds = [], []
+    for mix in args.claim_mixes:
+        for S in args.claim_seq_lens:
+            for seed in range(args.claim_seeds):
+                lengths = make_batch(mix, S, seed)
+                for R in args.rings:
+                    threshold = split_threshold(S, R, args.min_split)
+                    t0 = time.perf_counter()
+                    job = row_deal(lengths, R, threshold)
+                    seconds.append(time.perf_counter() - t0)
+                    W = step_work(lengths, runs_intervals(job.runs), R)
+                    assert W.sum(axis=1).tolist() == list(job.work), (mix, S, seed, R)
+                    old = document_zigzag_intervals(lengths, R, threshold, greedy_fill=True)
+                    rows.append({"mix": mix, "S": S, "R": R, "seed": seed,
+                                 "zigzag": _ratio(zigzag_deal(lengths, R).work),
+                                 "doczz-g": _ratio(step_work(lengths, old, R).sum(axis=1)),
+                                 "doczz-b": _ratio(job.work), "on_zigzag": job.is_zigzag,
+                                 "sim": _sim(W.astype(float), args.bwd_factor)})
+    return rows, seconds
+
+
+def _worst(rows: list[dict], key: str) -> str:
+    return f"{max(r[key] for r in rows):.3f}" if rows else "-"
+
+
+def claim_table(rows: list[dict], mixes: list[str], seq_lens: list[int]) -> list[str]:
+    """Per (mix, S), all ring sizes and seeds pooled, then every batch: where the zigzag exceeds
+    ``CLAIM_WHERE``, the worst busiest / mean of ``doczz-g`` and ``doczz-b`` and how often ``doczz-b``
+    exceeds ``CLAIM_BOUND``; everywhere, how often ``doczz-b`` is busier than the zigzag or runs its runs."""
+    lines = [f"| mix | S | batches | zigzag > {CLAIM_WHERE} | zigzag worst | doczz-g worst there | doczz-b worst there "
+             f"| doczz-b > {CLAIM_BOUND} there | doczz-b busier than zigzag | doczz-b on the zigzag | doczz-b sim worst |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups = [(mix, S) for mix in mixes for S in seq_lens] + [("all", None)]
+    for mix, S in groups:
+        sel = [r for r in rows if mix in ("all", r["mix"]) and S in (None, r["S"])]
+        there = [r for r in sel if r["zigzag"] > CLAIM_WHERE]
+        size = "all" if S is None else _size(S)
+        lines.append(f"| {mix} | {size} | {len(sel)} | {len(there)} | {_worst(sel, 'zigzag')} "
+                     f"| {_worst(there, 'doczz-g')} | {_worst(there, 'doczz-b')} "
+                     f"| {sum(r['doczz-b'] > CLAIM_BOUND for r in there)} | {sum(r['doczz-b'] > r['zigzag'] for r in sel)} "
+                     f"| {sum(r['on_zigzag'] for r in sel)} | {_worst(sel, 'sim')} |")
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1 << 20, 1 << 23])
@@ -141,6 +217,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-pairs", type=float, default=2000.0,
                    help="time to send one token's K/V to the next ring rank, in pair-equivalents")
     p.add_argument("--bwd-factor", type=float, default=2.5, help="attention backward / forward work")
+    p.add_argument("--claim-mixes", nargs="+", default=list(CLAIM_MIXES),
+                   help="issue 42's claim table: these mixes (the adversarial ones included) ...")
+    p.add_argument("--claim-seq-lens", type=int, nargs="+", default=[1 << 17, 1 << 20], help="... at these S ...")
+    p.add_argument("--claim-seeds", type=int, default=5, help="... and seeds, every --rings")
     p.add_argument("--json", type=Path, help="write every measurement here")
     return p.parse_args(argv)
 
@@ -200,10 +280,10 @@ def report(args: argparse.Namespace, rows: list[dict], stats: dict, elapsed: flo
                     for n in names:
                         v = [g[metric] for g in groups[(mix, S, R, n)]]
                         cells.append(f"{np.mean(v):.3f}" + (f" [{max(v):.3f}]" if len(v) > 1 else ""))
-                    out.append(f"| {mix} | {S >> 20}M | {R} | " + " | ".join(cells) + " |")
+                    out.append(f"| {mix} | {_size(S)} | {R} | " + " | ".join(cells) + " |")
     out.append("\n## Transfer-bound: share of batches whose mean backward step (bwd_factor x sum W / R^2) "
           "is shorter than its K/V + dK/dV transfer (3 x comm_pairs x S / R)\n")
-    out.append("| mix | " + " | ".join(f"S={S >> 20}M" for S in args.seq_lens) + " |")
+    out.append("| mix | " + " | ".join(f"S={_size(S)}" for S in args.seq_lens) + " |")
     out.append("|---|" + "---|" * len(args.seq_lens))
     for mix in args.mixes:
         cells = []
@@ -223,13 +303,27 @@ def report(args: argparse.Namespace, rows: list[dict], stats: dict, elapsed: flo
 
 
 
+def claim_report(args: argparse.Namespace, claim: list[dict], seconds: list[float]) -> str:
+    """Issue 42's table (``claim_table``) and how long the job's layout took per batch."""
+    out = [f"\n## Issue 42: busiest / mean ring work, {args.claim_seeds} seeds x R = "
+           f"{', '.join(map(str, args.rings))} per (mix, S)\n", *claim_table(claim, args.claim_mixes, args.claim_seq_lens)]
+    per_size = defaultdict(list)
+    for row, sec in zip(claim, seconds, strict=True):
+        per_size[row["S"]].append(sec * 1e3)
+    out.append("\n" + "; ".join(f"row_deal at {_size(S)}: median {np.median(ms):.1f} ms, max {max(ms):.1f} ms"
+                                 for S, ms in per_size.items()))
+    return "\n".join(out)
+
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows, stats, elapsed = compute(args)
     print(report(args, rows, stats, elapsed))
+    claim, seconds = claim_rows(args)
+    print(claim_report(args, claim, seconds))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "claim": claim,
+                                         "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
 
 
 if __name__ == "__main__":

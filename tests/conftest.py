@@ -1,7 +1,8 @@
 import os
 
 # Tests run on CPU with gloo even on a GPU machine; registering the plugin first
-# picks the device before TorchTitan reads it.
+# picks the device before TorchTitan reads it. validate reads it too (the device a job trains on):
+# a test that validates a GPU recipe for its GPU passes --device cuda.
 os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -32,13 +32,42 @@ print(json.dumps(out))
 """
 
 
+def run_split(code: str, specs: list, env: dict[str, str], processes: int = 2, timeout: int = 900,
+              costs: list[float] | None = None) -> list:
+    """``python -c code SPECS`` over ``specs`` dealt to ``processes`` subprocesses run at once (each
+    prints one JSON list, a result per spec, as its last line); the results in the order of
+    ``specs``. The CI machine's two cores each run one one-thread process (``OMP_NUM_THREADS=1``).
+    ``costs``: each spec's estimated time, dealt heaviest first to the least-loaded process (else
+    round-robin)."""
+    order = sorted(range(len(specs)), key=lambda i: -costs[i]) if costs else range(len(specs))
+    shares, loads = [[] for _ in range(processes)], [0.0] * processes
+    for n, i in enumerate(order):
+        p = loads.index(min(loads)) if costs else n % processes
+        shares[p].append(i)
+        loads[p] += costs[i] if costs else 1
+    shares = [share for share in shares if share]
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([specs[i] for i in share])], cwd=REPO,
+                              text=True, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for share in shares]
+    results = [None] * len(specs)
+    for proc, share in zip(procs, shares, strict=True):
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-4000:]
+        for i, result in zip(share, json.loads(out.strip().splitlines()[-1]), strict=True):
+            results[i] = result
+    return results
+
+
+def _attention_cost(args: list[str], world: int) -> float:
+    """A rank's attention work, the emulation's dominant cost: ``S^2 / world``."""
+    seq = int(args[args.index("--training.seq_len") + 1]) if "--training.seq_len" in args else 512
+    return seq * seq / world
+
+
 def emulated_peaks(cases: list[tuple[list[str], int]]) -> list[dict]:
     """The rank emulator's ``total``, ``baseline`` and ``phases`` bytes of each ``(args, world)`` job (one
-    rank on torch's fake process group, CPU), measured in one subprocess (a fake measurement starts its
-    own default process group)."""
-    specs = [{"args": args, "world": world} for args, world in cases]
-    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", EMULATE, json.dumps(specs)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    rank on torch's fake process group, CPU), measured in subprocesses (a fake measurement starts its
+    own default process group), two at once (``run_split``, the longest sequences first)."""
+    return run_split(EMULATE, [{"args": args, "world": world} for args, world in cases],
+                     {**os.environ, "TITAN_UPIPE_DEVICE": "cpu"}, timeout=600,
+                     costs=[_attention_cost(args, world) for args, world in cases])

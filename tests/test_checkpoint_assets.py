@@ -25,16 +25,24 @@ LLAMA = str(REPO / "configs/debug/llama3_fsdp.toml")
 QWEN = str(REPO / "configs/debug/qwen3_fsdp.toml")
 
 
-def write_dcp(path: Path, model_name: str = "upipe_llama3", flavor: str = "debug", full: bool = True) -> Path:
+SYNTHETIC_CURSOR = {"samples_consumed": 8, "global_batch_size": 2, "stream": {"index": 8}}
+"""The data loader state a synthetic_copy or synthetic_docs job saves (``GlobalBatchLoader.state_dict``)."""
+LOCAL_TEXT_CURSOR = {"samples_consumed": 8, "global_batch_size": 2,
+                     "stream": {"epoch": 0, "file": 1, "position": 120, "token_offset": 3, "file_path": "/data/b.jsonl"}}
+"""The one a local_text job saves."""
+
+
+def write_dcp(path: Path, model_name: str = "upipe_llama3", flavor: str = "debug", full: bool = True,
+              dataloader: dict | None = None) -> Path:
     """A DCP checkpoint of the flavor's seeded weights; ``full``: with optimizer, scheduler, data
-    cursor and train state, as a training save holds them."""
+    cursor (``dataloader``, default a synthetic dataset's) and train state, as a training save holds them."""
     import torch.distributed.checkpoint as dcp
 
     model, _ = hf_model(model_name, flavor)
     state = dict(model.state_dict())
     if full:
         state.update({"optimizer": {"state": {"output.weight.exp_avg": torch.zeros(4)}},
-                      "lr_scheduler": {"last_epoch": 2}, "dataloader": {"samples_consumed": 8},
+                      "lr_scheduler": {"last_epoch": 2}, "dataloader": dataloader or SYNTHETIC_CURSOR,
                       "train_state": {"step": 2, "ntokens_seen": 1024}})
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
     return path

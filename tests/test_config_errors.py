@@ -4,6 +4,8 @@ same problem (exit 1). In-process: ``train.main`` / ``validate.main`` with WORLD
 
 from __future__ import annotations
 
+import errno
+import pathlib
 import re
 import time
 
@@ -74,6 +76,41 @@ CASES = [
 ]
 
 
+def _file_with(content: bytes):
+    """A config file holding ``content``, at ``job.toml`` under the test's folder."""
+    def write(tmp_path) -> str:
+        path = tmp_path / "job.toml"
+        path.write_bytes(content)
+        return str(path)
+    return write
+
+
+UPIPE_BYTES = (REPO / "configs/debug/llama3_upipe.toml").read_bytes()
+
+# A config file that is not UTF-8 TOML text, or holds nothing: one line naming the file (TorchTitan's
+# reader: a UnicodeDecodeError traceback on every rank, "Invalid statement" for a BOM, an empty file
+# trains the defaults). The unquoted glob: tyro's "Unrecognized options: /data/b.jsonl" before.
+FILE_CASES = [
+    ("file-bom", _file_with(b"\xef\xbb\xbf" + UPIPE_BYTES), (), 2,
+     r"^config file \S+job.toml starts with a UTF-8 byte-order mark \(BOM\), .*: save it as UTF-8 without a BOM$"),
+    ("file-utf16", _file_with(UPIPE_BYTES.decode().encode("utf-16")), (), 2,
+     r"^config file \S+job.toml is UTF-16 text .*: save it as UTF-8$"),
+    ("file-not-utf8", _file_with(UPIPE_BYTES.replace(b"# ", b"# caf\xe9 ", 1)), (), 2,
+     r"^config file \S+job.toml is not UTF-8 text \(byte 0xe9 at line 1, column 6\): save it as UTF-8$"),
+    ("file-binary", _file_with(b"\x7fELF\x02\x01\x01\x00\x00"), (), 2,
+     r"^config file \S+job.toml is a binary file, not TOML text \(a NUL byte at line 1, column 8\)"),
+    ("file-empty", _file_with(b""), (), 2,
+     r"^config file \S+job.toml is empty: TorchTitan would train its defaults; name a config with \[model\] and "
+     r"\[training\]"),
+    ("file-comments-only", _file_with(b"# a job\n\n"), (), 2,
+     r"^config file \S+job.toml holds no settings \(only comments\): TorchTitan would train its defaults"),
+    ("unquoted-glob", UPIPE, ("--local_data.paths", "/data/a.jsonl", "/data/b.jsonl", "--training.steps", "3"), 2,
+     r"^--local_data.paths takes one value but got /data/a.jsonl /data/b.jsonl: an unquoted glob that the shell "
+     r"expanded\? quote it .*, e.g. --local_data.paths '/data/\*.jsonl' \(a list is one comma-separated value\)$"),
+]
+CASES += FILE_CASES
+
+
 def _config(case_config, tmp_path) -> str:
     return case_config(tmp_path) if callable(case_config) else case_config
 
@@ -121,16 +158,22 @@ def test_other_ranks_leave_after_rank_zero_and_speak_only_if_it_did_not(monkeypa
     assert captured.err.startswith("titan_upipe.train: error on rank 2: 3 ranks are not")
 
 
-def test_a_failure_after_the_process_group_started_is_one_line_per_failing_rank(tmp_path, monkeypatch, capsys):
-    """Such a rank may fail alone, so it prints its own line; the traceback torchrun's @record
-    wrote for it (TorchTitan's Trainer methods are wrapped) is removed from the failure summary."""
-    recorded = tmp_path / "error.json"
-    recorded.write_text('{"message": {"extraInfo": {"py_callstack": "Traceback ..."}}}')
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(recorded))
-    monkeypatch.setenv("RANK", "1")
-    assert train.exit_on_config_error(ConfigError("bad"), every_rank=True).code == 2
-    assert capsys.readouterr().err == "titan_upipe.train: error on rank 1: bad\n"
-    assert not recorded.exists()
+def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """(Faked: the tests run as root, who reads any file.)"""
+    path = tmp_path / "job.toml"
+    path.write_bytes(UPIPE_BYTES)
+
+    def denied(self):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", denied)
+    _launch_env(monkeypatch, 2, rank=0)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--job.config_file", str(path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"{PREFIX}config file {path} cannot be read (permission denied): make it readable by the user running the "
+        "job (chmod a+r)")
 
 
 def test_ce_backend_typo_suggests_the_closest():

@@ -30,12 +30,14 @@ def _sections():
         LocalData,
         MetricsConsole,
         OptimizerHostState,
+        TrainingHealth,
         Transforms,
         UPipe,
     )
 
     return [("upipe", UPipe), ("transforms", Transforms), ("activation_checkpoint", ActivationCheckpointOffload),
-            ("local_data", LocalData), ("optimizer", OptimizerHostState), ("metrics", MetricsConsole)]
+            ("local_data", LocalData), ("optimizer", OptimizerHostState), ("metrics", MetricsConsole),
+            ("training", TrainingHealth)]
 
 
 def _section_text(doc: str, section: str) -> str:
@@ -60,7 +62,7 @@ def _toml(value: object) -> str:
 
 
 @pytest.mark.parametrize("section", ["upipe", "transforms", "activation_checkpoint", "local_data", "optimizer",
-                                     "metrics"])
+                                     "metrics", "training"])
 def test_every_config_key_is_documented_with_its_default(section):
     doc = CONFIG_DOC.read_text()
     cls = dict(_sections())[section]
@@ -76,11 +78,12 @@ def test_every_config_key_is_documented_with_its_default(section):
 
 
 def test_choice_keys_list_every_valid_value():
-    from titan_upipe.torchtitan_0_2.config import ATTENTION_BACKENDS, KERNEL_BACKENDS
+    from titan_upipe.torchtitan_0_2.config import ATTENTION_BACKENDS, KERNEL_BACKENDS, NONFINITE_ACTIONS
 
     doc = CONFIG_DOC.read_text()
     for section, key, choices in (("upipe", "attention_backend", ATTENTION_BACKENDS),
-                                  ("transforms", "ce_backend", KERNEL_BACKENDS)):
+                                  ("transforms", "ce_backend", KERNEL_BACKENDS),
+                                  ("training", "on_nonfinite", NONFINITE_ACTIONS)):
         row = next(line for line in _section_text(doc, section).splitlines() if line.startswith(f"| `{key}`"))
         missing = [c for c in choices if f"`{c}`" not in row and f'`"{c}"`' not in row]
         assert not missing, f"{section}.{key}: valid values {missing} not documented"

@@ -58,17 +58,17 @@ def with_assets(assets, tmp_path) -> list[str]:
 
 
 def test_validate_rejects_a_missing_tokenizer_directory_with_the_download_command(capsys, tmp_path):
-    assert validate.main([RECIPE, "--world-size", "8", "--job.dump_folder", str(tmp_path)]) == 1
+    assert validate.main([RECIPE, "--world-size", "8", "--device", "cuda", "--job.dump_folder", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "model.hf_assets_path = './assets/hf/Llama-3.1-8B' does not exist" in out
     assert "hf download meta-llama/Llama-3.1-8B --local-dir ./assets/hf/Llama-3.1-8B" in out
     assert "local_data.paths pattern './data/train/**/*.jsonl' matches no file" in out
     # The layout alone is fine.
-    assert validate.main([RECIPE, "--world-size", "8", "--no-assets"]) == 0
+    assert validate.main([RECIPE, "--world-size", "8", "--no-assets", "--device", "cuda"]) == 0
 
 
 def test_validate_accepts_the_recipe_once_its_files_exist(assets, tmp_path, capsys, roomy_disk):
-    assert validate.main([RECIPE, "--world-size", "8", "--host-mem", "4096", *with_assets(assets, tmp_path)]) == 0
+    assert validate.main([RECIPE, "--world-size", "8", "--device", "cuda", "--host-mem", "4096", *with_assets(assets, tmp_path)]) == 0
     assert "OK for 8 ranks" in capsys.readouterr().out
 
 

@@ -396,24 +396,17 @@ def _keep_args(config: str, keep: str, blocks: str = "2") -> list[str]:
 
 @pytest.fixture(scope="module")
 def emulated() -> dict[str, list[dict]]:
-    """Every emulator measurement of this module, in one process (fake process group, CPU)."""
-    import json
+    """Every emulator measurement of this module, in two processes at once (fake process group, CPU)."""
     import os
-    import subprocess
-    import sys
 
-    from trainer_utils import REPO
+    from plan_jobs import run_split
 
     runs = {"terms": [(world, None, _keep_args(config, keep)) for config, world in MEMORY_CASES
                       for keep in ("off", "device", "host")],
             "extrapolated": [(2, n_layers, _keep_args(MEMORY_CASES[0][0], where, blocks))
                              for where, blocks in KEEPS for n_layers in (2, 4)]}
     flat = [run for name in runs for run in runs[name]]
-    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(flat)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = run_split(_MEASURE, flat, {**os.environ, "TITAN_UPIPE_DEVICE": "cpu"}, timeout=600)
     return {"terms": measured[:len(runs["terms"])], "extrapolated": measured[len(runs["terms"]):]}
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 from trainer_utils import REPO, losses
 
@@ -57,17 +60,14 @@ def test_run_train_launches_the_config_with_overrides(tmp_path):
     assert not undocumented, f"warnings missing from docs/quickstart.md's expected list: {undocumented}"
 
 
-def test_run_train_fails_with_the_trainer(tmp_path):
-    """A config mistake under torchrun: one line from rank 0, no traceback from any rank (torchrun's
-    own failure summary aside: it names no error file, as no rank reached TorchTitan's @record)."""
+def test_run_train_stops_a_job_that_cannot_run_before_torchrun(tmp_path):
+    """A config mistake: the script's pre-launch check (one process) prints the trainer's one line and
+    exits 2; torchrun never starts (no worker, no failure summary)."""
     proc = _launch(tmp_path, "configs/debug/llama3_upipe.toml", "--parallelism.context_parallel_degree", "3")
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    line = ("titan_upipe.train: error: 2 ranks are not a multiple of context_parallel_degree 3: "
-            "set context_parallel_degree to 2")
-    assert output.count("titan_upipe.train: error") == 1 and line in output.splitlines(), output[-4000:]
-    assert not re.search(r'File "[^"]*titan_upipe[^"]*"', output), output[-4000:]  # no frame of ours
-    assert "ConfigError" not in output and "error_file: <N/A>" in output
+    assert proc.returncode == 2
+    assert output.splitlines() == ["titan_upipe.train: error: 2 ranks are not a multiple of context_parallel_degree 3: "
+                                   "set context_parallel_degree to 2"], output[-4000:]
 
 
 SLOW_RANK_ZERO = """
@@ -94,6 +94,79 @@ def test_the_error_line_survives_a_rank_that_fails_first(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    lines = [line for line in output.splitlines() if "titan_upipe.train: error" in line]
+    lines = [line for line in output.splitlines() if line.startswith("titan_upipe.train: error")]
     assert lines == ["titan_upipe.train: error: training.steps = 0 is invalid (optimizer steps to run): "
                      "valid values are 1 or more"], output[-4000:]
+    # torchrun's summary names the line as the root cause (the worker's torch-elastic error file)
+    root_cause = output[output.index("Root Cause (first observed failure):"):]
+    assert "error_file: <N/A>" not in root_cause and f"traceback : {lines[0]}" in root_cause, root_cause
+    assert not re.search(r'File "[^"]*titan_upipe[^"]*"', output), output[-4000:]  # no frame of ours
+
+
+STOP_AFTER_THE_START = """
+import os
+if "LOCAL_RANK" in os.environ:  # the workers, not torchrun
+    import torch
+    from titan_upipe.errors import ConfigError
+    from titan_upipe.torchtitan_0_2 import trainer
+
+    def _stopped(self, job_config):
+        torch.distributed.init_process_group("gloo")
+        raise ConfigError("a decision every rank takes alike (injected by the test)")
+
+    trainer.ContextParallelTrainer.__init__ = _stopped
+"""
+
+
+def _quiet_torchrun(tmp_path, *overrides: str, site: str | None = None, **popen) -> subprocess.Popen:
+    """``titan_upipe.tools.torchrun`` of the make-run config on 2 ranks in its own session (a
+    ``sitecustomize`` of the test's own, ``site``, in every process)."""
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    if site is not None:
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(site)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "titan_upipe.tools.torchrun", "--standalone", "--nproc_per_node=2", "-m",
+           "titan_upipe.train", "--job.config_file", str(REPO / "configs/debug/llama3_upipe.toml"),
+           "--job.dump_folder", str(tmp_path / "run"), *overrides]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def test_an_error_on_every_rank_after_the_start_is_one_line(tmp_path):
+    """Every rank stops alike after the process group started (a broadcast decision, such as training
+    health's stop on a NaN loss; here a ConfigError): rank 0 prints the line, the others see it on the launch's store and stay silent; no traceback from a worker or
+    from torchrun, whose exit is the workers' status."""
+    proc = _quiet_torchrun(tmp_path, site=STOP_AFTER_THE_START)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("titan_upipe.train: ")]
+    assert lines == ["titan_upipe.train: error: a decision every rank takes alike (injected by the test)"], output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
+
+
+def test_ctrl_c_is_one_line_with_the_step_and_the_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the launch's process group: torchrun and every worker) during training: one
+    line from rank 0 naming the step, the newest complete checkpoint and the resume; no traceback
+    from any process; exit status 130."""
+    proc = _quiet_torchrun(tmp_path, "--training.steps", "200", "--checkpoint.enable", "--checkpoint.interval", "2")
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any(re.search(r" - INFO - step:\s+3\s", line) for line in list(seen)) and time.monotonic() < deadline:
+        assert proc.poll() is None, "".join(seen)[-4000:]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, "".join(seen)[-4000:]
+    reader.join(timeout=10)
+    output = "".join(seen)
+    lines = [line for line in output.splitlines() if line.startswith("titan_upipe.train: ")]
+    match = re.fullmatch(r"titan_upipe.train: interrupted by SIGINT during step (\d+) of 200; newest complete "
+                         r"checkpoint: (\S+)/step-(\d+); run the same command again to resume from it \(at step (\d+)\)",
+                         lines[0] if len(lines) == 1 else "")
+    assert match, output[-4000:]
+    step, folder, saved, resume = int(match[1]), match[2], int(match[3]), int(match[4])
+    assert folder == str(tmp_path / "run" / "checkpoint") and saved < step and resume == saved + 1
+    assert (tmp_path / "run" / "checkpoint" / f"step-{saved}" / ".metadata").is_file()
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-4000:]

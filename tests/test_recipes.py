@@ -191,7 +191,7 @@ def test_qwen3_32b_one_node_recipes_fit_by_the_planner(suffix, capsys):
 
     gpu, host = 80 * GIB, 1900 * GIB
     path = REPO / f"configs/qwen3_32b/upipe_8gpu_{suffix}.toml"
-    assert validate.main([str(path), "--world-size", "8", "--no-assets"]) == 0
+    assert validate.main([str(path), "--world-size", "8", "--no-assets", "--device", "cuda"]) == 0
     assert "OK for 8 ranks" in capsys.readouterr().out
     job_config = parse_config(["--job.config_file", str(path)])
     assert job_config.training.seq_len == ONE_NODE[suffix] and job_config.parallelism.context_parallel_degree == 8

@@ -132,7 +132,7 @@ def test_resume_from_step_2_continues_the_reference(assets, reference, tmp_path,
     assert abs(ref[2] - ref[1]) > 1e-3 * abs(ref[1])
 
 
-def test_a_model_only_final_save_is_refused_before_training(reference, tmp_path):
+def test_a_model_only_final_save_is_refused_before_training(reference, text_job_assets, tmp_path):
     """TorchTitan's default final save holds the model only; resuming from it would die inside
     DCP (``Missing key ... dataloader``): the check names the full checkpoint to use instead."""
     import torch.distributed.checkpoint as dcp
@@ -144,7 +144,7 @@ def test_a_model_only_final_save_is_refused_before_training(reference, tmp_path)
     shutil.copytree(reference / "checkpoint" / "step-2", folder / "step-2")
     dcp.save({"tok_embeddings.weight": torch.zeros(4, 4)}, checkpoint_id=str(folder / "step-4"), no_dist=True)
     job = parse_config(["--job.config_file", "configs/debug/llama3_upipe.toml", "--job.dump_folder", str(tmp_path),
-                        "--checkpoint.enable"])
+                        "--checkpoint.enable", *text_job_overrides(text_job_assets)])  # the data step 2 was saved with
     with pytest.raises(ConfigError, match=r"holds the model only.*--checkpoint.load_step N \(full: \[2\]\)"):
         check_resume_point(job)
     job.checkpoint.load_step = 2

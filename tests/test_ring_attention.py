@@ -47,6 +47,7 @@ class RingCase:
     kernel: str = ""  # "" (the backend's own) or "cuda_emulated"
     documents: bool = False  # packed documents under a document mask (reference: each document alone)
     balance: str = "zigzag"  # document_balance: "documents" lays each row out by its documents (min_split 8)
+    document_rows: tuple[tuple[int, ...], ...] = ()  # each row's document lengths (default: document_ids)
 
     @property
     def world(self) -> int:
@@ -59,8 +60,17 @@ class RingCase:
                                           self.positions if self.positions != "derived" else "",
                                           "docs" if self.documents else "",
                                           "balanced" if self.balance == "documents" else "", self.sabotage) if v)
+        rows = "-rows" + "_".join(".".join(map(str, r)) for r in self.document_rows) if self.document_rows else ""
         return (f"{self.model}-H{self.n_heads}KV{self.n_kv_heads}-{self.mode}{u}-R{self.ring}xU{self.ulysses}"
-                f"-S{self.seq_len}B{self.batch}-{self.dtype}{extra}")
+                f"-S{self.seq_len}B{self.batch}-{self.dtype}{extra}{rows}")
+
+
+SPLIT_ROWS = ((7, 11, 3, 9, 1, 1), (11, 21))
+"""Issue 42 at R = 4, S = 32, min_split 8: row 0's 7-token document is split for balance over 3 of the 4
+ring ranks (too short for 2R pieces), row 1 keeps the fixed zigzag (its deal would be busier)."""
+ZIGZAG_ROWS = ((11, 4, 17), (4, 5, 13, 5, 3, 2))
+"""At R = 2, S = 32: each row's deal beats the zigzag, their sum does not: the batch runs the zigzag's runs
+through the per-row layout."""
 
 
 CASES = [
@@ -116,6 +126,9 @@ CASES = [
     RingCase("qwen3", 8, 2, "upipe", 2, 2, 32, batch=2, heads_per_stage=2, dtype="bfloat16", documents=True,
              balance="documents"),
     RingCase("llama3", 8, 2, "upipe", 4, 2, 64, batch=2, heads_per_stage=8, documents=True, balance="documents"),
+    # issue 42: a document split for balance over some of the ranks, and rows on the fixed zigzag's runs
+    RingCase("qwen3", 8, 2, "ring", 4, 1, 32, batch=2, documents=True, balance="documents", document_rows=SPLIT_ROWS),
+    RingCase("llama3", 8, 2, "usp", 2, 2, 32, batch=2, documents=True, balance="documents", document_rows=ZIGZAG_ROWS),
     RingCase("llama3", 8, 2, "ring", 2, 1, 32, batch=2, documents=True, balance="documents",
              sabotage="document_plan"),
     RingCase("llama3", 8, 2, "ring", 2, 1, 32, batch=2, documents=True, balance="documents",
@@ -156,7 +169,8 @@ def run_ring_case(case: RingCase, world_mesh, seed: int) -> dict[str, float]:
 
         from titan_upipe.attention import document_mask
 
-        ids = document_ids(case.batch, case.seq_len)
+        ids = document_ids(case.batch, case.seq_len) if not case.document_rows else torch.stack(
+            [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in case.document_rows])
         ref = document_reference(module, x, table, ids, grad_y)
         masks = document_mask(ids, mesh, balance=case.balance, min_split=8)
         assert (masks.layout is not None) == (case.balance == "documents")
@@ -260,3 +274,16 @@ def test_matrix_covers_the_issue() -> None:
     assert {c.sabotage for c in CASES if c.balance == "documents"} == {"", "document_plan", "balanced_layout"}
     emulated = [c for c in sound if c.kernel == "cuda_emulated"]
     assert {c.mode for c in emulated} == {"ring", "upipe"} and {c.dtype for c in emulated} == {"float32", "bfloat16"}
+
+
+def test_the_balanced_rows_run_a_split_for_balance_and_the_fixed_zigzag():
+    """What the issue-42 cases above run (pure, no processes): ``SPLIT_ROWS`` a document over 3 of 4 ring
+    ranks and a row on the zigzag's runs; ``ZIGZAG_ROWS`` the zigzag's runs for both rows."""
+    from titan_upipe.attention.ring_plan import zigzag_ring_runs
+    from titan_upipe.parallel.document_deal import batch_deals
+
+    split, zigzag_row = batch_deals(SPLIT_ROWS, 4, 8)
+    owners = {rank for rank, runs in enumerate(split.runs) for a, _ in runs if a < 7}
+    assert len(owners) == 3 and not split.is_zigzag  # the 7-token document [0, 7)
+    assert zigzag_row.is_zigzag and zigzag_row.runs == zigzag_ring_runs(32, 4)
+    assert all(d.is_zigzag and d.runs == zigzag_ring_runs(32, 2) for d in batch_deals(ZIGZAG_ROWS, 2, 8))

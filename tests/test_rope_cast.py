@@ -20,14 +20,12 @@ Qwen3 debug flavor: ``head_dim`` D = 16), L blocks, T = seq_len / 2 local tokens
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from plan_jobs import run_split
 
 from titan_upipe.attention.projection import RotaryKind, rotate, rotate_
 from titan_upipe.torchtitan_0_2.flavors import model_flavors
@@ -72,14 +70,11 @@ print(json.dumps(out))
 
 
 def _run_snippet(code: str, specs: list[dict]) -> list:
-    """``code`` in a fresh process (its own process group), ``specs`` as its argument; its last
-    stdout line, parsed. ``tests/`` is importable there (the model builders of test_transforms)."""
-    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+    """``code`` in fresh processes (each its own process group), ``specs`` dealt to them as their
+    argument; each process's last stdout line, parsed, a result per spec. ``tests/`` is importable there (the model builders of test_transforms)."""
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(specs)], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_split(code, specs, env)  # two specs at once, one per core
 
 
 def _qwen3_offloaded(seq_len: int, converters: str) -> list[str]:

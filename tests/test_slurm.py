@@ -86,13 +86,18 @@ def test_sbatch_trains_on_local_slurm(cluster, tmp_path):
 
 
 def test_sbatch_failure_is_the_job_exit_code(cluster, tmp_path):
-    """A failing run must fail the job (not be swallowed by srun or the script)."""
+    """A job that cannot run fails the job (not swallowed by srun or the script), stopped by the
+    script's pre-launch check: its one line in the Slurm log, no torchrun started on any node."""
     proc, job_id = _submit(cluster, tmp_path, "configs/debug/llama3_upipe.toml",
                            "--parallelism.context_parallel_degree", "3")
     assert proc.returncode != 0
     info = cluster.job_info(job_id)
-    assert info.get("JobState") == "FAILED" and info.get("ExitCode") != "0:0", info
-    assert "context_parallel_degree" in (tmp_path / f"titan_upipe-{job_id}.out").read_text()
+    assert info.get("JobState") == "FAILED" and info.get("ExitCode") == "2:0", info
+    log = (tmp_path / f"titan_upipe-{job_id}.out").read_text()
+    assert [line for line in log.splitlines() if not line.startswith("titan_upipe: job ")] == [
+        "titan_upipe.train: error: 2 ranks are not a multiple of context_parallel_degree 3: set context_parallel_degree "
+        "to 2"], log
+    assert not [p for p in (tmp_path / "ranks").rglob("*") if p.is_file()]  # no worker's log: torchrun never ran
 
 
 def test_sbatch_requires_a_config(cluster, tmp_path):

@@ -20,6 +20,7 @@ import titan_upipe.errors as errors
 from titan_upipe.emulate import cli as emulate
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan import cli as plan
+from titan_upipe.plan.job_config import MachineMemory
 from titan_upipe.tools import gpu_suite, parity
 from titan_upipe.tools import preflight as validate
 from titan_upipe.tools.cli_args import parse_length
@@ -172,14 +173,16 @@ def test_check_refuses_a_wrong_rank_count_in_one_line(monkeypatch, capsys):
     assert "launch it with --nproc_per_node 2 (parallelism.context_parallel_degree), not 1" in line
 
 
-def test_check_on_the_cpu_needs_a_length_for_a_gpu_recipe():
+def test_check_on_the_cpu_needs_a_length_for_a_gpu_recipe(monkeypatch):
     """A GPU recipe (1M tokens) on the CPU without --seq-len is refused with a length to pass; with
-    --seq-len it is the job the check runs."""
+    --seq-len it is the job the check runs (on a machine whose memory holds it: the memory guard's
+    own refusals are tests/test_memory_guard.py's)."""
     cpu = torch.device("cpu")
     options, titan_args = _check_options(RECIPE_1M)
     with pytest.raises(ConfigError, match=r"^training.seq_len = 1048576 \(.*upipe_1m.toml\) is a GPU-scale length: "
                                           r".*pass --seq-len 64 \(a multiple of 8, this layout's sequence divisor"):
         parity.checked_job(options, titan_args, 8, cpu)
+    monkeypatch.setattr(parity, "free_machine_memory", lambda ranks, device: MachineMemory(2**50, 2**50, ranks, device))
     options, titan_args = _check_options(RECIPE_1M, "--seq-len", "64")
     assert parity.checked_job(options, titan_args, 8, cpu).training.seq_len == 64
     options, titan_args = _check_options(RECIPE_1M)
@@ -267,7 +270,7 @@ def test_validate_prints_its_findings_only(capsys, caplog):
     import logging
 
     with caplog.at_level(logging.WARNING):
-        assert validate.main([RECIPE_1M, "--world-size", "8", "--no-assets"]) == 0
+        assert validate.main([RECIPE_1M, "--world-size", "8", "--no-assets", "--device", "cuda"]) == 0
         assert logging.getLogger().level == logging.WARNING  # restored after the parse
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{RECIPE_1M}: OK")

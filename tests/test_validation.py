@@ -26,8 +26,11 @@ def test_committed_cp_configs_are_valid_for_their_world_size():
     [
         (("--model.converters", "upipe,ulysses"), 2, "several context-parallel"),
         (("--model.converters", "tiled_mlp"), 2, "needs a context-parallel attention converter"),
-        (("--parallelism.context_parallel_degree", "1"), 2, "set it to 2 or more"),
-        (("--parallelism.context_parallel_degree", "3"), 3, r"valid CP degrees are \[2, 4, 8\]"),
+        (("--parallelism.context_parallel_degree", "1"), 2, r"context_parallel_degree = 1: valid values are \[2\]$"),
+        # CP 3 splits no heads, and no CP degree fits 3 ranks: the nearest launches that fit, not [2, 4, 8]
+        (("--parallelism.context_parallel_degree", "3"), 3, r"degree 3 cannot split n_heads=8, n_kv_heads=2 exactly: "
+                                                            r"launch 2 ranks with context_parallel_degree 2, or 4 ranks "
+                                                            r"with context_parallel_degree 4$"),
         (("--upipe.heads_per_stage", "3"), 2, r"valid values .* are 0 \(= 2\) or \[2, 4, 8\]"),
         (("--upipe.heads_per_stage", "6"), 2, "upipe.heads_per_stage=6"),
         (("--training.seq_len", "511"), 2, "training.seq_len = 511 is not divisible"),
@@ -71,13 +74,18 @@ def test_committed_ring_and_usp_configs_are_valid():
                                                   r"are \[2\] \(ulysses_degree = CP is mode 'ulysses'"),
         (USP, ("--upipe.ulysses_degree", "4"), 4, r"valid values are \[2\]"),
         (USP, ("--upipe.ulysses_degree", "3"), 4, r"ulysses_degree = 3 does not divide .*context_parallel_degree = 4"),
-        (USP, ("--parallelism.context_parallel_degree", "2"), 2, r"valid values are none"),
+        (USP, ("--parallelism.context_parallel_degree", "2"), 2, r"ulysses_degree = 2 is invalid for mode 'usp' at "
+                                                                 r"parallelism.context_parallel_degree = 2: launch 4 "
+                                                                 r"ranks with context_parallel_degree 4$"),
         (USP, ("--training.seq_len", "500"), 4, r"not divisible by 2 x ring x ulysses = 2 x 2 x 2 = 8"),
         (USP, ("--parallelism.context_parallel_degree", "8"), 4, "^4 ranks are not a multiple of "
                                                                  "context_parallel_degree 8: launch 8 ranks, or set"),
-        # a Ulysses degree of 3 splits neither the 8 query heads nor the 2 KV heads
+        # a Ulysses degree of 3 splits neither the 8 query heads nor the 2 KV heads; 2 would, but not seq_len
+        # 512 over 6 ranks (2 x 3 x 2 = 12): nothing fits 6 ranks
         (USP, ("--parallelism.context_parallel_degree", "6", "--upipe.ulysses_degree", "3"), 6,
-         r"upipe.ulysses_degree 3 cannot split n_heads=8.*use upipe.ulysses_degree in \[2\]"),
+         r"upipe.ulysses_degree 3 cannot split n_heads=8, n_kv_heads=2 exactly: launch 4 ranks with "
+         r"context_parallel_degree 4 and upipe.ulysses_degree 2, or 8 ranks with context_parallel_degree 8 and "
+         r"upipe.ulysses_degree 4$"),
         ("configs/debug/llama3_ring.toml", ("--upipe.ulysses_degree", "2"), 4,
          r"invalid for mode 'ring' .* valid values are \[0, 1\] \(for Ulysses x ring use mode 'usp'\)"),
         (UPIPE, ("--upipe.ulysses_degree", "1", "--upipe.heads_per_stage", "3"), 2, "upipe.heads_per_stage=3"),

@@ -14,6 +14,12 @@ class ConfigError(ValueError):
     """A setting that cannot run exactly; the message names it and the valid choices."""
 
 
+class TrainingStopped(Exception):
+    """Training cannot go on (a non-finite loss or gradient norm, ``training.on_nonfinite =
+    "stop"``); the message is one line: the step, the value, the last complete checkpoint and the
+    likely cause. Every rank raises it at the same step (the values are reduced over all ranks)."""
+
+
 def closest(word: object, choices: Iterable[object]) -> str | None:
     """The choice closest to ``word`` (difflib's ratio), or None when none is close enough to be a
     likely typo of it."""

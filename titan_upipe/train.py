@@ -1,9 +1,10 @@
 """``torchrun ... -m titan_upipe.train --job.config_file X.toml [--section.key value ...]``: TorchTitan's
 trainer with the plugin (``titan_upipe.torchtitan_0_2.launch``); before any process group starts the
-memory planner sizes what depends on the machine (``keep_attention = "auto"``)."""
+memory planner refuses a job that does not fit this machine and sizes what depends on it
+(``keep_attention = "auto"``): ``plan.guard.prepare_launch``."""
 
-from titan_upipe.plan.job_config import size_keep_attention_of_job
+from titan_upipe.plan.guard import prepare_launch
 from titan_upipe.torchtitan_0_2.launch import main
 
 if __name__ == "__main__":
-    main(prepare=size_keep_attention_of_job)
+    main(prepare=prepare_launch)

@@ -33,7 +33,7 @@ that document (every query sees every key) or wholly after it (none does). Hence
 
 ::
 
-    R = 2, one row, documents A = [0, 10), b = [10, 12), c = [12, 16) (DocumentZigzagLayout's example)
+    R = 2, one row, documents A = [0, 10), b = [10, 12), c = [12, 16) (issue 35's deal of them)
     ring rank 0 runs [0, 3) [8, 13): ring-local A = [0, 5), b = [5, 7), c = [7, 8)
     ring rank 1 runs [3, 8) [13, 16): ring-local A = [0, 5), c = [5, 8)
     step 0: each rank one diagonal call with those segments

@@ -24,7 +24,11 @@ Layouts provided:
   stay equal).
 * :func:`document_zigzag_intervals`: every document of at least ``min_split`` tokens is cut into
   ``2R`` pieces dealt zigzag (rank ``r`` gets pieces ``r`` and ``2R-1-r`` of *that* document);
-  the short documents fill the remaining room of each rank contiguously, in sequence order.
+  the short documents fill the remaining room of each rank contiguously, in sequence order
+  (``greedy_fill``: whole, heaviest first, to the least-loaded rank; the job's layout of issue 35).
+* :func:`job_intervals` with ``"documents"``: the layout a job runs since issue 42,
+  ``parallel.document_deal.row_deal`` (the above, shorter documents split where the balance needs
+  it, and the fixed zigzag where that is not busier).
 
 :func:`step_work` gives ``W[r, t]``: the work ring rank ``r`` does at ring step ``t`` (against the
 K/V of ring rank ``(r - t) mod R``). Ring steps are synchronous, so the attention time of one
@@ -38,6 +42,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from titan_upipe.parallel.document_deal import Deal, batch_deals, row_deal, zigzag_deal
+from titan_upipe.parallel.document_deal import split_threshold as split_threshold  # read from here too
 
 Array = np.ndarray
 
@@ -302,35 +309,29 @@ def causal_work_per_rank(seq_len: int, layout: Array, ring_size: int) -> Array:
     return step_work([seq_len], layout, ring_size).sum(axis=1)
 
 
-PIECE_FLOOR_TOKENS = 128
-"""The shortest piece the cap on the split length may cut (one flash-attention tile): a zigzagged
-document's pieces are ring blocks of their own (one kernel call per shared document and step)."""
-
-
-def split_threshold(seq_len: int, ring_size: int, min_split: int) -> int:
-    """The length from which a job's document-aware layout zigzags a document inside itself:
-    ``min(min_split, max(S / (4R), 2R x PIECE_FLOOR_TOKENS))``. A document dealt whole puts all
-    its ``n^2 / 2`` pairs on one ring rank; once ``n`` nears a rank's share ``S/R`` that one
-    document outweighs the mean, so on short sequences over wide rings a fixed 16K leaves the
-    busiest rank 2x the mean at 128K on 16 ring ranks (8K tokens each), no better than the fixed
-    zigzag; capped at ``S/(4R)`` it stays within 3 % on every mix computed. The floor keeps the
-    pieces at least a kernel tile long (the cap would cut 64-token pieces there); where it binds
-    (128K on 16 ring ranks: 4096 instead of 2048) the busiest rank is 1.10x the mean
-    (docs/benchmarks/document_balance.md). A ``min_split`` below both is taken as set."""
-    return min(min_split, max(seq_len // (4 * ring_size), 2 * ring_size * PIECE_FLOOR_TOKENS))
+def deal_intervals(d: Deal) -> Array:
+    """A ``parallel.document_deal.Deal``'s runs as a layout (``[n, 3]`` ``(start, stop, ring_rank)``)."""
+    return runs_intervals(d.runs)
 
 
 def job_intervals(lengths: Sequence[int], ring_size: int, balance: str, min_split: int) -> Array:
     """The layout a job runs one row of documents ``lengths`` in, under ``[upipe] document_balance``:
-    ``"zigzag"`` (``zigzag_intervals``) or ``"documents"`` (``document_zigzag_intervals`` with
-    ``greedy_fill`` at ``split_threshold``, as ``parallel.BatchDocumentLayout``)."""
+    ``"zigzag"`` (``zigzag_intervals``) or ``"documents"`` (``parallel.document_deal.row_deal`` at
+    ``split_threshold``, as ``parallel.BatchDocumentLayout`` lays out a batch of one row; a batch of
+    several rows: ``batch_intervals``)."""
     seq_len = int(sum(lengths))
     if balance == "zigzag":
         return zigzag_intervals(seq_len, ring_size)
     if balance == "documents":
-        return document_zigzag_intervals(lengths, ring_size, split_threshold(seq_len, ring_size, min_split),
-                                         greedy_fill=True)
+        return deal_intervals(row_deal(lengths, ring_size, split_threshold(seq_len, ring_size, min_split)))
     raise ValueError(f"balance {balance!r}: valid values are zigzag, documents")
+
+
+def batch_intervals(rows: Sequence[Sequence[int]], ring_size: int, min_split: int) -> list[Array]:
+    """Each row's layout under ``"documents"`` as ``parallel.BatchDocumentLayout`` lays the batch out
+    (``batch_deals``: the rows' deals, or the fixed zigzag for all where that is not busier)."""
+    seq_len = int(sum(rows[0]))
+    return [deal_intervals(d) for d in batch_deals(rows, ring_size, split_threshold(seq_len, ring_size, min_split))]
 
 
 def runs_intervals(ring_runs: Sequence[Sequence[tuple[int, int]]]) -> Array:
@@ -340,13 +341,11 @@ def runs_intervals(ring_runs: Sequence[Sequence[tuple[int, int]]]) -> Array:
 
 def ring_work_ratios(rows: Sequence[Sequence[int]], ring_size: int, min_split: int) -> tuple[float, float]:
     """Busiest / mean ring-rank work of one batch (``rows``: each row's document lengths), summed
-    over the rows: ``(fixed zigzag, document-aware zigzag)`` (``zigzag_intervals``;
-    ``document_zigzag_intervals`` with ``greedy_fill`` at ``split_threshold``, as the job's
-    ``parallel.BatchDocumentLayout``: ``job_intervals``). Under the ring's synchronous steps the
+    over the rows: ``(fixed zigzag, the job's document-aware layout)`` (``parallel.document_deal``:
+    ``zigzag_deal``, and ``batch_deals`` at ``split_threshold`` as ``parallel.BatchDocumentLayout``),
+    each rank's work counted exactly as the deal makes it. Under the ring's synchronous steps the
     busiest rank sets every rank's attention time."""
-    zigzag, documents = np.zeros(ring_size), np.zeros(ring_size)
-    for lengths in rows:
-        zigzag += step_work(lengths, job_intervals(lengths, ring_size, "zigzag", min_split), ring_size).sum(axis=1)
-        documents += step_work(lengths, job_intervals(lengths, ring_size, "documents", min_split),
-                               ring_size).sum(axis=1)
+    threshold = split_threshold(int(sum(rows[0])), ring_size, min_split)
+    zigzag = np.sum([zigzag_deal(lengths, ring_size).work for lengths in rows], axis=0, dtype=np.float64)
+    documents = np.sum([d.work for d in batch_deals(rows, ring_size, threshold)], axis=0, dtype=np.float64)
     return float(zigzag.max() / zigzag.mean()), float(documents.max() / documents.mean())

@@ -9,6 +9,14 @@ its first document, the last one cut, as a packer does. The mixes
 * ``all-short``: ``p = 0``;
 * ``long-start`` / ``long-end``: one document of ``S/2`` at the start / end, short ones fill;
 * ``causal``: one document of ``S`` tokens.
+
+Adversarial for the document-aware layout's split length ``N`` (issue 42):
+
+* ``near-N``: ``all-short`` with a quarter of the documents instead just under ``N`` tokens
+  (``N - 1`` down to ``N - N/16``);
+* ``one-near-N``: one document of ``N - 1`` tokens among shorter ones (a quarter of ``all-short``'s
+  lengths, at least 8 tokens), at a random place;
+* ``pareto-a``: heavy tails, ``64 (1 + X)`` tokens with ``X`` Pareto of index ``a``, at most ``S``.
 """
 
 from __future__ import annotations
@@ -56,6 +64,24 @@ def mixed_stream(rng: np.random.Generator, seq_len: int, p_long: float) -> np.nd
     return docs
 
 
+def near_stream(rng: np.random.Generator, seq_len: int, near: int) -> np.ndarray:
+    docs = mixed_stream(rng, seq_len, 0.0)
+    is_near = rng.random(len(docs)) < 0.25
+    docs[is_near] = near - rng.integers(1, max(2, near // 16), size=int(is_near.sum()), endpoint=True)
+    return docs
+
+
+def one_near_batch(rng: np.random.Generator, seq_len: int, near: int) -> list[int]:
+    fill = pack(np.maximum(mixed_stream(rng, seq_len, 0.0) // 4, 8), seq_len - (near - 1), rng)
+    at = int(rng.integers(0, len(fill) + 1))
+    return [*fill[:at], near - 1, *fill[at:]]
+
+
+def pareto_stream(rng: np.random.Generator, seq_len: int, index: float) -> np.ndarray:
+    n = 4 * seq_len // 64 + 16
+    return np.minimum(np.round(64 * (1 + rng.pareto(index, size=n))), seq_len).astype(np.int64)
+
+
 def make_batch(mix: str, seq_len: int, seed: int) -> list[int]:
     """The document lengths of one row of ``mix`` (module docstring), ``seq_len`` tokens in all."""
     rng = np.random.default_rng(seed)
@@ -65,6 +91,12 @@ def make_batch(mix: str, seq_len: int, seed: int) -> list[int]:
         return pack(mixed_stream(rng, seq_len, 0.0), seq_len, rng)
     if mix == "causal":
         return [seq_len]
+    if mix.startswith("near-"):
+        return pack(near_stream(rng, seq_len, int(mix.split("-")[1])), seq_len, rng)
+    if mix.startswith("one-near-"):
+        return one_near_batch(rng, seq_len, int(mix.split("-")[2]))
+    if mix.startswith("pareto-"):
+        return pack(pareto_stream(rng, seq_len, float(mix.split("-")[1])), seq_len, rng)
     if mix in ("long-start", "long-end"):
         fill = pack(mixed_stream(rng, seq_len, 0.0), seq_len // 2, rng)
         return [seq_len // 2, *fill] if mix == "long-start" else [*fill, seq_len // 2]

@@ -25,9 +25,24 @@ from functools import partial
 from titan_upipe.data import tokenizer as vocab
 from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, LocalTextStream, expand_paths
+from titan_upipe.data.packing import Cursor
 from titan_upipe.data.synthetic import SAMPLES, SYNTHETIC_DATASETS, VALIDATION_SEED, SyntheticCopyStream
 
 PLUGIN_DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
+
+STREAM_STATE_KEYS: dict[str, tuple[str, ...]] = {
+    **{name: tuple(SyntheticCopyStream(1).state_dict()) for name in SYNTHETIC_DATASETS},
+    LOCAL_TEXT_DATASET: (*Cursor().as_dict(), "file_path"),
+}
+"""The data cursor each plugin dataset's stream checkpoints (``SampleStream.state_dict``'s keys)."""
+
+
+def loader_state_keys(dataset: str) -> frozenset[str]:
+    """What a checkpoint holds under ``dataloader`` for the plugin dataset ``dataset``, as DCP flattens
+    it (``stream.index``): the loader's global cursor and its stream's. DCP loads a checkpoint into
+    the job's own state, so a job resumes only from a checkpoint holding every one of them."""
+    own = [key for key in GlobalBatchLoader(SyntheticCopyStream(1), 1, 0, 1).state_dict() if key != "stream"]
+    return frozenset({*own, *(f"stream.{key}" for key in STREAM_STATE_KEYS[dataset])})
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, infinite: bool = True):

@@ -32,8 +32,10 @@ pass through. CUDA is used when available (as ``titan_upipe.check`` does), else 
 Table 4 (peak memory) and Table 5 (step time) from ``titan_upipe/resources/paper_tables.csv``.
 
 A command or a job that cannot run (``--cp-world 0``, a world size the degrees do not fit, a
-length the layout cannot shard) is one line, ``titan_upipe.emulate: error: ...``, printed once
-(rank 0 under torchrun) before any process group starts, exit status 2.
+length the layout cannot shard, a job the memory planner predicts will not fit this machine with
+the blocks built: ``plan.guard``) is one line, ``titan_upipe.emulate: error: ...``, printed once
+(rank 0 under torchrun) before any process group starts, exit status 2; with ``--json`` a
+memory refusal is also a record with ``"oom": true``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.emulate.rank import rank_device
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.plan.guard import MemoryDoesNotFit, check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
 from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.torchtitan_0_2.checks import check_job
@@ -318,6 +321,9 @@ def checked_job(options, titan_args: list[str], launched: int):
         titan_args = [*titan_args, "--training.seq_len", str(options.seq_len)]
     job_config = parse_config(titan_args, quiet=True)
     check_job(job_config, options.cp_world)
+    # what this process will allocate: one rank (fake) or this node's share, --n-layers blocks
+    machine = free_machine_memory(1 if launched == 1 else local_ranks(launched), rank_device().type)
+    check_memory_fits(job_config, options.cp_world, machine, n_layers=options.n_layers)
     return job_config
 
 
@@ -344,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         job_config = checked_job(options, titan_args, launched)
+    except MemoryDoesNotFit as err:
+        if options.json:  # recorded as an OOM, as a run that allocated it would be (tools/gpu_runs.py)
+            print(json.dumps({"oom": True, "predicted": True, "n_layers": options.n_layers, "error": str(err)}))
+        raise exit_once(TOOL, str(err)) from None
     except ConfigError as err:
         raise exit_once(TOOL, str(err)) from None
     real = launched > 1

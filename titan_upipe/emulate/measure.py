@@ -38,6 +38,7 @@ from titan_upipe.emulate.series import StepSeries
 from titan_upipe.emulate.step import StepResult, run_steps
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.parallel.mesh import ulysses_part
+from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.plan.job_config import size_keep_attention_of_job
 from titan_upipe.tools.memory_tracker import storage_bytes
 from titan_upipe.torchtitan_0_2.checks import check_job
@@ -413,13 +414,18 @@ def measure_step(
     ``time_attention``: hook the attention modules for the time split (synchronises CUDA
     at every attention boundary; off leaves ``attention_*`` at 0).
     ``full_layers``: the depth ``full`` extrapolates to (default: the flavor's ``n_layers``).
+    A rank the memory planner predicts will not fit this machine (with ``n_layers`` blocks) is
+    refused before anything is allocated (``plan.guard.MemoryDoesNotFit``, a ConfigError).
     """
     register_plugin()
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"steps must be >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
     check_job(job_config, world_size)
-    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
     device = rank_device()
+    # what this process allocates: one rank (fake) or this node's share of the job, n_layers blocks
+    machine = free_machine_memory(1 if fake else local_ranks(world_size), device.type)
+    check_memory_fits(job_config, world_size, machine, n_layers=n_layers)
+    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
     if fake and not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not one of the {world_size} ranks")
     options = _Options(n_layers, full_layers, steps, warmup_steps, compile_pass, time_attention, a2a_gbps,

@@ -24,10 +24,36 @@ either it divides the KV heads or the KV heads divide it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from titan_upipe.errors import ConfigError
+
+CP_DEGREE_KEY = "parallelism.context_parallel_degree"
+ULYSSES_KEY = "upipe.ulysses_degree"
+HEADS_PER_STAGE_KEY = "upipe.heads_per_stage"
+"""The settings whose valid values a :class:`LayoutError` lists."""
+
+
+def values_text(values: Sequence[int]) -> str:
+    """``[2, 4]``, or ``none``: a list of valid values as the layout's messages name them."""
+    return str(list(values)) if values else "none"
+
+
+class LayoutError(ConfigError):
+    """A layout setting the rules refuse, with the values they allow: the message is ``problem: fix``,
+    ``fix`` naming the ``values`` of ``setting`` (a template with ``{values}``). The rules here see the
+    layout alone; a caller that can try each value against the whole job (the job checks,
+    ``torchtitan_0_2.checks.layout_fixes``) shows only the values that pass there."""
+
+    def __init__(self, problem: str, setting: str, values: Sequence[int], fix: str) -> None:
+        self.problem, self.setting, self.values, self.fix = problem, setting, tuple(values), fix
+        super().__init__(self.with_values(self.values))
+
+    def with_values(self, values: Sequence[int]) -> str:
+        """The message naming ``values`` instead of every value the layout's rules allow."""
+        return f"{self.problem}: {self.fix.format(values=values_text(values))}"
 
 
 class CPMode(StrEnum):
@@ -90,10 +116,9 @@ def resolve_mesh_shape(mode: str, cp_degree: int, ulysses_degree: int) -> tuple[
         hint = {"usp": " (ulysses_degree = CP is mode 'ulysses', 1 is mode 'ring')",
                 "ulysses": " (for Ulysses x ring use mode 'usp')",
                 "ring": " (for Ulysses x ring use mode 'usp')"}.get(mode, "")
-        raise ConfigError(
-            f"upipe.ulysses_degree = {ulysses_degree} is invalid for mode {mode!r} at "
-            f"parallelism.context_parallel_degree = {cp_degree}: valid values are {valid or 'none'}{hint}"
-        )
+        raise LayoutError(f"upipe.ulysses_degree = {ulysses_degree} is invalid for mode {mode!r} at "
+                          f"parallelism.context_parallel_degree = {cp_degree}", ULYSSES_KEY, valid,
+                          "valid values are {values}" + hint)
     if mode in (CPMode.RING, CPMode.TSP):
         return cp_degree, 1, False
     if mode in (CPMode.ULYSSES, CPMode.UPIPE) and ulysses_degree in (0, cp_degree):
@@ -122,10 +147,9 @@ def check_cp_degree(n_heads: int, n_kv_heads: int, cp_degree: int, what: str = "
     if n_heads % n_kv_heads != 0:
         raise ConfigError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
     if cp_degree < 1 or n_heads % cp_degree != 0 or not _kv_split_ok(n_kv_heads, cp_degree):
-        raise ConfigError(
-            f"{what} {cp_degree} cannot split n_heads={n_heads}, n_kv_heads={n_kv_heads} "
-            f"exactly: valid CP degrees are {[c for c in valid_cp_degrees(n_heads, n_kv_heads) if c > 1]}"
-        )
+        raise LayoutError(f"{what} {cp_degree} cannot split n_heads={n_heads}, n_kv_heads={n_kv_heads} exactly",
+                          CP_DEGREE_KEY, [c for c in valid_cp_degrees(n_heads, n_kv_heads) if c > 1],
+                          "valid CP degrees are {values}")
 
 
 def resolve_heads_per_stage(n_heads: int, n_kv_heads: int, cp_degree: int, heads_per_stage: int | None) -> int:
@@ -140,10 +164,9 @@ def resolve_heads_per_stage(n_heads: int, n_kv_heads: int, cp_degree: int, heads
             if not isinstance(heads_per_stage, int) or heads_per_stage % cp_degree
             else f"n_heads={n_heads} is not divisible by it"
         )
-        raise ConfigError(
-            f"upipe.heads_per_stage={heads_per_stage!r} is invalid ({why}): valid values for "
-            f"n_heads={n_heads} at CP degree {cp_degree} are 0 (= {cp_degree}) or {valid}"
-        )
+        raise LayoutError(f"upipe.heads_per_stage={heads_per_stage!r} is invalid ({why})", HEADS_PER_STAGE_KEY, valid,
+                          f"valid values for n_heads={n_heads} at CP degree {cp_degree} are 0 (= {cp_degree}) or "
+                          "{values}")
     return heads_per_stage
 
 
@@ -151,10 +174,11 @@ def check_ulysses_heads(mode: str, n_heads: int, n_kv_heads: int, cp: int, ulyss
     """With a ring, only the Ulysses degree splits heads (K/V replicated when it exceeds KV)."""
     try:
         check_cp_degree(n_heads, n_kv_heads, ulysses, what="upipe.ulysses_degree")
-    except ConfigError as exc:
+    except LayoutError as exc:
         valid = [d for d in valid_ulysses_degrees(mode, cp) if d > 0 and n_heads % d == 0
                  and (n_kv_heads % d == 0 or d % n_kv_heads == 0)]
-        raise ConfigError(f"{exc}; for mode {mode!r} at CP {cp} use upipe.ulysses_degree in {valid}") from None
+        raise LayoutError(exc.problem, ULYSSES_KEY, valid,
+                          f"for mode {mode!r} at CP {cp} use upipe.ulysses_degree in " + "{values}") from None
 
 
 def sequence_divisor(cp_degree: int, ring_degree: int, ulysses_degree: int) -> int:
@@ -223,15 +247,13 @@ class CPLayout:
                 )
             return 1, 1, False
         if cp < 2:
-            raise ConfigError(
-                f"model.converters has {mode.value!r} but parallelism.context_parallel_degree = {cp}: "
-                "set it to 2 or more (a divisor of the world size that splits the heads)"
-            )
+            degrees = [c for c in valid_cp_degrees(self.n_heads, self.n_kv_heads or self.n_heads) if c > 1]
+            raise LayoutError(f"model.converters has {mode.value!r} but parallelism.context_parallel_degree = {cp}",
+                              CP_DEGREE_KEY, degrees, "valid values are {values}" if degrees else "set it to 2 or more")
         if cp % max(self.ulysses_setting, 1):
-            raise ConfigError(
-                f"upipe.ulysses_degree = {self.ulysses_setting} does not divide parallelism.context_parallel_degree = "
-                f"{cp}: valid values for mode {mode.value!r} are {valid_ulysses_degrees(mode, cp)}"
-            )
+            raise LayoutError(f"upipe.ulysses_degree = {self.ulysses_setting} does not divide "
+                              f"parallelism.context_parallel_degree = {cp}", ULYSSES_KEY,
+                              valid_ulysses_degrees(mode, cp), f"valid values for mode {mode.value!r} are " + "{values}")
         return resolve_mesh_shape(mode, cp, self.ulysses_setting)
 
     def _heads_per_stage(self, mode: CPMode | None, ring: int, ulysses: int) -> int:

@@ -1,17 +1,22 @@
-"""A per-batch document-aware zigzag layout (issue 35): balanced ring ranks under packed documents.
+"""A per-batch document-aware zigzag layout (issues 35, 42): balanced ring ranks under packed documents.
 
 The fixed zigzag (``ZigzagLayout``) balances *causal* work: ring rank ``r`` of ``R`` owns chunks
 ``r`` and ``2R-1-r`` of the whole sequence. Under document masking the work is the visible pairs
 inside each document, and a fixed cut leaves the busiest ring rank 1.4-3.0x the mean
 (``docs/benchmarks/document_balance.md``). This layout is computed per sequence from its document
-lengths (``doczz-g`` there):
+lengths by ``parallel.document_deal`` (the deal and its exact work count live there):
 
 * every document of at least ``min_split`` tokens is cut into ``2R`` near-equal pieces dealt
   zigzag: rank ``r`` gets pieces ``r`` and ``2R-1-r`` of *that* document (its causal work split
   evenly, as the zigzag splits one long sequence);
-* the shorter documents, longest first, go whole to the ring rank with the least work that still
+* the shorter documents, heaviest first, go whole to the ring rank with the least work that still
   has room for them (ties: the lowest rank); what fits nowhere whole fills the remaining room of
-  each rank in sequence order (split at a rank boundary where needed).
+  each rank in sequence order (split at a rank boundary where needed);
+* where that leaves the busiest rank more than 2 % above the mean, the shorter documents whose work
+  is too big for one rank are split too (over all ranks, or over a few where all would cut pieces
+  under a kernel tile), the fewest that bring it within 2 % (``document_deal.balanced_deal``);
+* a row (and a batch) keeps the fixed zigzag's runs where the deal is not better by the exact count
+  (``document_deal.row_deal``, ``batch_deals``): never worse than the zigzag.
 
 Every ring rank ends with exactly ``S/R`` tokens. A ring rank's *ring-local sequence* is its token
 runs in global order (causal order is kept inside the rank); its ``U`` Ulysses ranks hold
@@ -20,26 +25,32 @@ gives ``ZigzagLayout``'s chunks exactly.
 
 ::
 
-    S = 16, R = 2, min_split = 8; documents A = [0, 10), b = [10, 12), c = [12, 16)
+    S = 16, R = 2, min_split = 8; documents A = [0, 10), b = [10, 12), c = [12, 16);
+    T = 55 + 3 + 10 = 68 visible pairs, 34 per ring rank when balanced
 
-    tokens     0 1 2 | 3 4 5 | 6 7 | 8 9 | 10 11 | 12 | 13 14 15
-    A's pieces   p0  |   p1  |  p2 |  p3 |       |    |
-    ring rank    0   |   1   |  1  |  0  |   0   |  0 |  1  1  1
+    tokens     0 1 2 | 3 4 5 | 6 7 | 8 9 | 10 | 11 | 12 | 13 14 | 15
+    A's pieces   p0  |   p1  |  p2 |  p3 |    |    |    |       |
+    ring rank    0   |   1   |  1  |  0  |  0 |  1 |  0 |  1  1 |  0
                      A cut in 2R = 4 pieces dealt 0, 1, 1, 0 (10 = 4 x 2 + 2: the two tokens
                      left over go to ranks 0 and 1 in turn; 5 tokens each, 3 of room left);
-                     b (2 tokens) whole to rank 0 (25 pairs of work against rank 1's 30);
-                     c (4 tokens) fits nowhere whole: it fills rank 0's last token, then rank 1's 3
-    runs       rank 0: [0, 3) [8, 13)      rank 1: [3, 8) [13, 16)
+                     with b and c whole (issue 35's deal) the ranks do 29 and 39 pairs, 1.15x
+                     the mean, so the cap T / (8R) = 4.25 pairs per share splits c (10 pairs)
+                     over both ranks, pieces dealt 0, 1, 1, 0; b (3 pairs, under the cap) fits
+                     nowhere whole and fills rank 0's last token, then rank 1's
+    runs       rank 0: [0, 3) [8, 11) [12, 13) [15, 16)      rank 1: [3, 8) [11, 12) [13, 15)
+    work       rank 0: 31 pairs, rank 1: 37 (1.09x the mean); the fixed zigzag's 20 and 48 (1.41x)
+               are busier, so this layout is kept
 
-Deterministic: a pure function of the document lengths (stable sorts, ties to the lowest rank, integer
-arithmetic for the cuts and the room; work compared as exact integers). Every rank derives the same
-layout from the same batch (the global document ids every rank already holds for the mask), so no
-collective is needed to agree on it; ``positions`` of a rank are sent as ``(start, stop)`` runs
+Deterministic: a pure function of the document lengths (stable sorts, ties to the lowest rank,
+integer arithmetic for the cuts, the room and the work). Every rank derives the same layout from the
+same batch (the global document ids every rank already holds for the mask), so no collective is
+needed to agree on it; ``positions`` of a rank are sent as ``(start, stop)`` runs
 (``position_runs``), a few per document, not per token.
 
 A batch of ``B`` rows gets one layout per row (``BatchDocumentLayout``): a rank's tokens, labels and
 positions are ``[B, S/C]`` with each row in its own layout, which the ring's plan reads as per-row
-runs (``attention.ring_plan.document_step_calls``).
+runs (``attention.ring_plan.document_step_calls``). A row on the fixed zigzag is such a layout too
+(its runs the zigzag's two chunks per rank), so the ring and ``shard_sequence`` have one code path.
 """
 
 from __future__ import annotations
@@ -50,8 +61,8 @@ from functools import cached_property
 
 import torch
 
-from titan_upipe.costs.document_balance import document_zigzag_intervals, split_threshold
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.document_deal import Runs, batch_deals, row_deal, split_threshold
 from titan_upipe.parallel.layout import RingUlyssesRanks, shard_at_positions, unshard_from_positions
 
 DOCUMENT_BALANCES = ("zigzag", "documents")
@@ -59,35 +70,15 @@ DOCUMENT_BALANCES = ("zigzag", "documents")
 
 DEFAULT_MIN_SPLIT = 16384
 """Documents of at least this many tokens are zigzagged inside themselves; shorter ones are dealt
-whole (``docs/benchmarks/document_balance.md`` measured the balance with this value)."""
-
-Runs = tuple[tuple[int, int], ...]
-"""Half-open ``(start, stop)`` token runs in global order."""
+whole unless the balance needs them split (``docs/benchmarks/document_balance.md`` measured the
+balance with this value)."""
 
 
 def document_zigzag_runs(lengths: Sequence[int], ring_size: int, min_split: int) -> tuple[Runs, ...]:
     """Each ring rank's token runs (module docstring), ``[R]`` tuples of ``(start, stop)`` in global
     order, adjacent runs merged. ``lengths``: the documents packed back to back from token 0. The
-    deal is ``costs.document_balance.document_zigzag_intervals`` with ``greedy_fill`` (``doczz-g``,
-    whose balance docs/benchmarks/document_balance.md computed)."""
-    if sum(lengths) % ring_size:
-        raise ValueError(f"{sum(lengths)} tokens do not split over {ring_size} ring ranks")
-    intervals = document_zigzag_intervals(lengths, ring_size, min_split, greedy_fill=True)
-    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(ring_size)]
-    for start, stop, rank in intervals.tolist():
-        if stop > start:
-            per_rank[rank].append((start, stop))
-    return tuple(_merged(sorted(runs)) for runs in per_rank)
-
-
-def _merged(runs: list[tuple[int, int]]) -> Runs:
-    out: list[tuple[int, int]] = []
-    for a, b in runs:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return tuple(out)
+    deal is ``parallel.document_deal.row_deal`` (``doczz-b`` in docs/benchmarks/document_balance.md)."""
+    return row_deal(lengths, ring_size, min_split).runs
 
 
 def document_lengths(doc_ids: torch.Tensor) -> list[int]:
@@ -202,13 +193,14 @@ class BatchDocumentLayout(RingUlyssesRanks):
     def of_document_ids(cls, doc_ids: torch.Tensor, ring_size: int, ulysses_size: int = 1,
                         min_split: int = DEFAULT_MIN_SPLIT) -> BatchDocumentLayout:
         """From the batch's ``[B, S]`` document ids (equal id = one document, one contiguous run); the
-        documents of ``costs.document_balance.split_threshold(S, R, min_split)`` tokens or more (the
+        documents of ``parallel.document_deal.split_threshold(S, R, min_split)`` tokens or more (the
         configured ``min_split``, or ``S/(4R)`` but at least ``2R x 128`` when shorter) are zigzagged inside
-        themselves."""
+        themselves; the batch keeps the fixed zigzag where that is not busier
+        (``parallel.document_deal.batch_deals``)."""
         ids = doc_ids.cpu()
         threshold = split_threshold(ids.shape[1], ring_size, min_split)
-        return cls(tuple(DocumentZigzagLayout.of_documents(document_lengths(row), ring_size, ulysses_size, threshold)
-                         for row in ids))
+        deals = batch_deals([document_lengths(row) for row in ids], ring_size, threshold)
+        return cls(tuple(DocumentZigzagLayout(ids.shape[1], ring_size, ulysses_size, d.runs) for d in deals))
 
     @property
     def batch(self) -> int:

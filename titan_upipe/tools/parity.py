@@ -25,8 +25,9 @@ another question; and at a GPU recipe's length the single-device reference (atte
 in the length, on every rank) would not finish on a CPU.
 
 A mistake in the command line or the config (a length the layout cannot shard, a rank count
-other than the CP degree) is one line, ``titan_upipe.check: error: ...``, printed once (rank 0)
-before any process group starts, exit status 2.
+other than the CP degree, a length the memory planner predicts will not fit: ``plan.guard``) is
+one line, ``titan_upipe.check: error: ...``, printed once (rank 0) before any process group
+starts, exit status 2.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_r
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.plan.job_config import size_keep_attention_of_job
 from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
 from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
@@ -157,7 +159,7 @@ def _cpu_length_problem(job_config, options: argparse.Namespace, device: torch.d
 def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: int, device: torch.device):
     """The job the check runs (data-parallel degrees forced to 1, ``--seq-len`` applied), validated
     as far as it can be before any process group: one rank per CP rank, the job checks, a length
-    the CPU can run, documents only under CP. Raises ConfigError."""
+    the CPU can run and the memory guard (``plan.guard``), documents only under CP. Raises ConfigError."""
     overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
     if options.seq_len:
         overrides += ["--training.seq_len", str(options.seq_len)]
@@ -167,9 +169,12 @@ def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: 
         raise ConfigError(f"the check runs one rank per CP rank: launch it with --nproc_per_node {cp} "
                           f"(parallelism.context_parallel_degree), not {world_size}")
     check_job(job_config, world_size)
-    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
     if problem := _cpu_length_problem(job_config, options, device):
         raise ConfigError(problem)
+    # the training step's plan: a lower bound of the check's two unsharded models without AC
+    check_memory_fits(job_config, world_size, free_machine_memory(local_ranks(world_size), device.type),
+                      batch=options.batch)
+    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
     if packs_documents(flavor_args(job_config)) and cp == 1:
         raise ConfigError("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
                           "attention against TorchTitan's per document: set parallelism.context_parallel_degree "

@@ -3,7 +3,12 @@
 Parses the TOML (plus any ``--section.key value`` overrides) exactly as the trainer
 does, runs every job-level check that ``titan_upipe.train`` runs before starting process
 groups, and prints either the resolved layout (mode, degrees, U, tokens per rank) or every
-problem found, each naming the setting and its valid choices. It also checks the job's files
+problem found, each naming the setting and its valid choices (a fix for degrees that do not fit
+is shown only after it passed the same checks). The device checked for is the one the job trains
+on: ``--device``, else ``TITAN_UPIPE_DEVICE``, else this machine's GPU, else, on a machine without
+one (a login node), a GPU for a bf16/fp16 job and the CPU for a float32 one; the launch's memory
+guard (``plan.guard``) judges the job for that device (a GPU of ``PLAN_GPU_GIB`` where this machine
+has none; on the CPU, ``--host-mem`` or the free host memory). It also checks the job's files
 (``titan_upipe.torchtitan_0_2.job_assets``: tokenizer, dataset, weights, checkpoints) and, for offloaded
 activations and async checkpoints, that a node's host memory holds them (the planner's
 figure against ``--host-mem`` or this machine's available memory); ``--no-assets`` skips both,
@@ -17,7 +22,10 @@ import copy
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from titan_upipe.errors import ConfigError
+from titan_upipe.plan import guard
 from titan_upipe.plan.cli import PLAN_GPU_GIB
 from titan_upipe.plan.job_config import (
     MachineMemory,
@@ -26,7 +34,7 @@ from titan_upipe.plan.job_config import (
     size_keep_attention_of_job,
 )
 from titan_upipe.tools.cli_args import ToolParser, positive_int, positive_size
-from titan_upipe.torchtitan_0_2 import checks, job_assets
+from titan_upipe.torchtitan_0_2 import checks, cpu_runtime, job_assets
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
     UPipe,
@@ -58,6 +66,8 @@ class LayoutSummary:
     """Packed documents on a ring: how each batch is laid out (``[upipe] document_balance``)."""
     kept_attention: str | None = None
     """``[activation_checkpoint] keep_attention``: which blocks keep their attention (``keep_attention_text``)."""
+    device: str | None = None
+    """The device the job was checked for, and why (``target_device``)."""
 
     def lines(self) -> list[str]:
         rows = [
@@ -75,6 +85,8 @@ class LayoutSummary:
         if self.kept_attention:
             rows.append(f"kept attention   {self.kept_attention}")
         rows.append(f"tokens per rank  {self.seq_len // max(self.cp_degree, 1)} of {self.seq_len}")
+        if self.device:
+            rows.append(f"device           {self.device}")
         return rows
 
 
@@ -106,22 +118,34 @@ def keep_attention_text(job_config, world_size: int, host_mem_bytes: int | None)
             f"{machine.host_bytes / GIB:.0f} GiB of host memory per node: {plan.describe(n_layers)}")
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def target_device(job_config, named: str | None) -> tuple[str, str]:
+    """(the device type the job trains on, why): ``--device``; ``TITAN_UPIPE_DEVICE`` where it names
+    one; this machine's GPU; else the compute nodes' as the planner reads the job (a float32 job is
+    a CPU run, a bf16/fp16 one a GPU job)."""
+    if named:
+        return named, "--device"
+    if (setting := cpu_runtime.device_setting()) in DEVICES:
+        return setting, f"{cpu_runtime.DEVICE_ENV}={setting}"
+    if torch.cuda.is_available():
+        return "cuda", "this machine's GPU"
+    dtype = job_config.training.mixed_precision_param
+    if dtype == "float32":
+        return "cpu", "no GPU here, training.mixed_precision_param = float32; --device cuda to check a GPU run"
+    return "cuda", f"training.mixed_precision_param = {dtype}: a GPU job; --device cpu to check a CPU run"
+
+
 def _world_size_from_config(parallelism) -> int | None:
     shard = parallelism.data_parallel_shard_degree
     return None if shard == -1 else shard * checks.degrees_besides_shard(parallelism)
 
 
 def find_problems(job_config, world_size: int) -> list[str]:
-    """Every problem the job-level checks find (not only the first), each once (a check that reads
-    the layout or the flavor meets their problems again)."""
-    problems: list[str] = []
-    for check in checks.JOB_CHECKS:
-        try:
-            check(job_config, world_size)
-        except ConfigError as err:
-            if str(err) not in problems:
-                problems.append(str(err))
-    return problems
+    """Every problem the job-level checks find (not only the first), each once, a layout that does
+    not fit with the fixes that pass them all (``checks.job_problems``)."""
+    return checks.job_problems(job_config, world_size)
 
 
 def asset_problems(job_config) -> list[str]:
@@ -191,7 +215,8 @@ def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None,
             f"GiB: {fix}")
 
 
-def summarize(job_config, world_size: int, host_mem_bytes: int | None = None) -> LayoutSummary:
+def summarize(job_config, world_size: int, host_mem_bytes: int | None = None, device: str | None = None
+              ) -> LayoutSummary:
     """The resolved layout of a job the checks accepted (``checks.cp_layout``)."""
     n_heads, n_kv_heads = checks.model_heads(job_config)
     layout = checks.cp_layout(job_config)
@@ -203,7 +228,7 @@ def summarize(job_config, world_size: int, host_mem_bytes: int | None = None) ->
         heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
         converters=tuple(job_config.model.converters),
         document_layout=document_layout_summary(job_config, layout.ring_degree),
-        kept_attention=keep_attention_text(job_config, world_size, host_mem_bytes),
+        kept_attention=keep_attention_text(job_config, world_size, host_mem_bytes), device=device,
     )
 
 
@@ -216,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="host memory of a compute node in GiB (default: this machine's available memory)")
     parser.add_argument("--no-assets", action="store_true",
                         help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
+                             "else cuda for a bf16/fp16 job and cpu for a float32 one)")
     args, overrides = parser.parse_known_args(argv)
     register_plugin()
     try:
@@ -226,10 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     world_size = args.world_size or _world_size_from_config(job_config.parallelism)
     if world_size is None:
         parser.error("parallelism.data_parallel_shard_degree = -1 (derived from the launch): pass --world-size N")
+    device, why = target_device(job_config, args.device)
+    cpu_runtime.set_job_device(job_config, device)
     problems = find_problems(job_config, world_size)
     warnings = checks.config_warnings(job_config)
     host_mem, source = ((int(args.host_mem * GIB), "--host-mem") if args.host_mem is not None
                         else (available_host_memory(), "this machine"))
+    if not problems and (problem := guard.memory_problem(
+            job_config, world_size, guard.target_machine(job_config, world_size, host_mem, device=device))):
+        problems.append(problem)  # the launch's memory guard, for the device the job trains on
     if not args.no_assets:
         problems += asset_problems(job_config)
         if not problems and (problem := host_memory_problem(job_config, world_size, host_mem, source)):
@@ -243,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {problem}")
         return 1
     print(f"{args.config}: OK for {world_size} ranks")
-    for line in summarize(job_config, world_size, host_mem).lines():
+    for line in summarize(job_config, world_size, host_mem, f"{device} ({why})").lines():
         print(f"  {line}")
     return 0
 

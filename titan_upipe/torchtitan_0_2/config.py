@@ -21,7 +21,7 @@ from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
-           "MetricsConsole", "OptimizerHostState", "TSP", "Transforms", "UPipe"]
+           "MetricsConsole", "NONFINITE_ACTIONS", "OptimizerHostState", "TSP", "TrainingHealth", "Transforms", "UPipe"]
 
 
 def _require(ok: bool, key: str, value: object, valid: str) -> None:
@@ -206,6 +206,24 @@ class OptimizerHostState:
     ``8 P / W`` bytes per rank move from the device to the host, the update is bitwise AdamW's."""
 
 
+NONFINITE_ACTIONS = ("stop", "skip_step", "warn")
+"""``training.on_nonfinite``: what a step whose loss or gradient norm is NaN or infinite does
+(``titan_upipe.torchtitan_0_2.health``)."""
+
+
+@dataclass
+class TrainingHealth:
+    """Fields merged into TorchTitan's own ``[training]`` section (checked by
+    ``titan_upipe.torchtitan_0_2.checks.health``: the merged section keeps TorchTitan's class)."""
+
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: stop (the job ends at once with one
+    line: the step, the value, the last complete checkpoint, the likely cause; exit status 3),
+    skip_step (no optimizer or LR step for it, its gradients dropped, a warning; training goes on)
+    or warn (a warning, and the update is applied as TorchTitan does: the weights are then
+    usually NaN for good)."""
+
+
 @dataclass
 class MetricsConsole:
     """Fields merged into TorchTitan's own ``[metrics]`` section: what the console shows (the merged
@@ -277,3 +295,4 @@ class JobConfig:
     local_data: LocalData = field(default_factory=LocalData)
     optimizer: OptimizerHostState = field(default_factory=OptimizerHostState)
     metrics: MetricsConsole = field(default_factory=MetricsConsole)
+    training: TrainingHealth = field(default_factory=TrainingHealth)

@@ -17,20 +17,22 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import itertools
 import logging
+import os
 import re
 import sys
-import tomllib
 import types
 import typing
-from pathlib import Path
 
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TorchTitanJobConfig
 
 from titan_upipe.errors import ConfigError, closest, with_suggestion
+from titan_upipe.torchtitan_0_2.config_file import load_toml
 
-__all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_toml",
+__all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_one_value_per_flag",
+           "check_toml",
            "config_schema", "console_error_line", "flag_value", "load_toml", "parse_job_config", "parse_quietly"]
 
 Schema = dict[str, "Schema | object"]
@@ -40,25 +42,7 @@ CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
-# ---------------------------------------------------------------------------- the file
-
-
-def load_toml(path: str) -> dict:
-    """The TOML at ``path``; a missing or malformed file is a ConfigError naming the fix."""
-    file = Path(path)
-    if file.is_dir():
-        tomls = sorted(str(p) for p in file.glob("*.toml"))
-        raise ConfigError(f"config file {path} is a directory: name one TOML file in it"
-                          + (f", one of {', '.join(tomls)}" if tomls else " (it has none)"))
-    if not file.is_file():
-        siblings = sorted(str(p) for p in file.parent.glob("*.toml")) if file.parent.is_dir() else []
-        where = f"{file.parent}/ has no such file" if file.parent.is_dir() else f"{file.parent}/ does not exist"
-        raise ConfigError(with_suggestion(f"config file {path} not found ({where})", path, siblings))
-    try:
-        with file.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+# ---------------------------------------------------------------------------- the file (config_file.py)
 
 
 def flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
@@ -217,6 +201,7 @@ def check_flags(args: list[str], schema: Schema) -> None:
             fix = f"did you mean --{match}?" if match else "--help lists the valid ones"
             raise ConfigError(f"unknown option {flag}: {fix}")
     check_bool_flags(args, schema)
+    check_one_value_per_flag(args)
 
 
 def _field_type(key: str, schema: Schema) -> object:
@@ -244,6 +229,31 @@ def check_bool_flags(args: list[str], schema: Schema) -> None:
             key = leaf[3:] if negated else leaf
             raise ConfigError(f"{flag} is a true/false flag and takes no value ({value!r}): pass --{section}.{key} "
                               f"alone for true, --{section}.no-{key} for false")
+
+
+def _quoted_pattern(values: list[str]) -> str:
+    """The pattern the shell probably expanded into ``values``: their folder, ``*`` and their common
+    extension (``'/data/*.jsonl'``)."""
+    folders = {os.path.dirname(value) for value in values}
+    extensions = {os.path.splitext(value)[1] for value in values}
+    folder = folders.pop() if len(folders) == 1 else os.path.commonpath(values) if values else ""
+    extension = extensions.pop() if len(extensions) == 1 else ""
+    return f"'{os.path.join(folder, '*' + extension)}'"
+
+
+def check_one_value_per_flag(args: list[str]) -> None:
+    """A flag takes one value (a list is one comma-separated value). Two or more words after a flag
+    are almost always a glob the shell expanded (``--local_data.paths /data/*.jsonl``, unquoted),
+    for which tyro says only "Unrecognized options: /data/b.jsonl"."""
+    for i, arg in enumerate(args):
+        if not (arg.startswith("--") and "." in arg and "=" not in arg):
+            continue
+        values = list(itertools.takewhile(lambda word: not word.startswith("--"), args[i + 1:]))
+        if len(values) > 1:
+            shown = " ".join(values[:3]) + (f" … ({len(values)} words)" if len(values) > 3 else "")
+            raise ConfigError(f"{arg} takes one value but got {shown}: an unquoted glob that the shell expanded? "
+                              f"quote it so that it reaches the job as written, e.g. {arg} {_quoted_pattern(values)} "
+                              "(a list is one comma-separated value)")
 
 
 # ---------------------------------------------------------------------------- ConfigManager

@@ -19,6 +19,12 @@ FSDP PREMUL_SUM           gloo has none: :func:`force_sum_reductions`
 It is inert where CUDA (or another accelerator) is available: ``activate()``
 returns ``False`` and touches nothing. Only TorchTitan's module globals are
 rebound; torch itself is never patched.
+
+``TITAN_UPIPE_DEVICE`` overrides the choice: ``cpu`` trains on the CPU even on a
+GPU node; ``cuda`` asks for a CUDA GPU and leaves TorchTitan's device alone, so
+that a machine without one is refused before launch (:func:`device_problem`)
+instead of training on the CPU. The job checks read the device a job trains on
+from :func:`job_device`.
 """
 
 from __future__ import annotations
@@ -32,11 +38,58 @@ import torch
 
 _GIB = 1024**3
 
+DEVICE_ENV = "TITAN_UPIPE_DEVICE"
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
+"""Values of ``TITAN_UPIPE_DEVICE``: ``auto`` (the default: the accelerator where there is one, else
+the CPU), ``cpu`` (the CPU, with gloo, even on a GPU node), ``cuda`` (a CUDA GPU, or no launch)."""
+JOB_DEVICE_ATTRIBUTE = "_titan_upipe_device"
+"""Where ``set_job_device`` keeps the device a job is checked for on its job config."""
+
+
+def device_setting() -> str:
+    """``TITAN_UPIPE_DEVICE`` as set (``auto`` when unset or empty)."""
+    return os.environ.get(DEVICE_ENV, "").strip() or "auto"
+
 
 def accelerator_available() -> bool:
     from torch._utils import _get_available_device_type
 
     return _get_available_device_type() is not None
+
+
+def _no_cuda_reason() -> str:
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "no GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+
+
+def device_problem() -> str | None:
+    """What is wrong with ``TITAN_UPIPE_DEVICE`` on this machine, or None: a value it does not know,
+    or ``cuda`` where torch finds no CUDA device (the job would otherwise train on the CPU, slowly
+    and silently)."""
+    setting = device_setting()
+    if setting not in DEVICE_SETTINGS:
+        return (f"{DEVICE_ENV}={setting} is invalid: valid values are {', '.join(DEVICE_SETTINGS)} (auto: the GPU "
+                f"where there is one, else the CPU; cuda: a CUDA GPU); set one of them or unset {DEVICE_ENV}")
+    if setting == "cuda" and not torch.cuda.is_available():
+        return (f"{DEVICE_ENV}=cuda but torch finds no CUDA device on this machine ({_no_cuda_reason()}): run the job "
+                f"on a GPU node with a CUDA build of torch, or set {DEVICE_ENV}=cpu to train on the CPU")
+    return None
+
+
+def set_job_device(job_config, device: str) -> None:
+    """Check ``job_config`` for ``device`` (``cpu``, ``cuda``) rather than this process's: ``validate``
+    on a login node checks a GPU job for its compute nodes."""
+    vars(job_config)[JOB_DEVICE_ATTRIBUTE] = device
+
+
+def job_device(job_config) -> str:
+    """The device type the job trains on: the one ``set_job_device`` named, else this process's
+    (TorchTitan's ``device_type``: ``cpu`` once :func:`activate` found no accelerator)."""
+    import torchtitan.tools.utils as titan_utils
+
+    return vars(job_config).get(JOB_DEVICE_ATTRIBUTE) or titan_utils.device_type
 
 
 def _read_status_kib(field: str) -> int:
@@ -147,8 +200,11 @@ def activate() -> bool:
     Safe to call more than once and at any time: modules already imported that
     copied TorchTitan's device globals are rebound too, so it also works when a
     user launches ``torchtitan.train`` with ``experimental.custom_import``.
+    ``TITAN_UPIPE_DEVICE=cpu`` activates it anywhere; ``cuda`` never does (where
+    there is no GPU, the job checks refuse the launch: :func:`device_problem`).
     """
-    if os.environ.get("TITAN_UPIPE_DEVICE", "auto") != "cpu" and accelerator_available():
+    setting = device_setting()
+    if setting == "cuda" or (setting != "cpu" and accelerator_available()):
         return False
 
     import torchtitan.tools.utils as titan_utils

@@ -34,6 +34,8 @@ data/ring_work_busiest_over_*  packed documents on a ring: the busiest ring rank
                                whichever ``upipe.document_balance`` runs; batch mean since the last log
 progress/<phase>_seconds       forward, backward, optimizer time of a step timed with the progress
                                on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_0_2.progress)
+health/nonfinite_steps         steps so far whose loss or gradient norm was NaN or infinite, also written
+                               at each such step (``training.on_nonfinite``; titan_upipe.torchtitan_0_2.health)
 ============================== ==============================================
 
 TorchTitan colours its console lines unless ``metrics.disable_color_printing``; the processor
@@ -67,6 +69,8 @@ CUSTOM_SCALARS_LAYOUT = {
         "max batch loss": ("Multiline", ["loss_metrics/global_max_loss"]),
         "validation loss": ("Multiline", ["validation_metrics/loss"]),
         "grad norm": ("Multiline", ["grad_norm"]),
+        # rises at the step whose loss or gradient norm went NaN or infinite (torchtitan_0_2/health.py)
+        "non-finite steps": ("Multiline", ["health/nonfinite_steps"]),
     },
     "Throughput": {
         "tokens/s per GPU": ("Multiline", ["throughput/tokens_per_s_per_gpu"]),

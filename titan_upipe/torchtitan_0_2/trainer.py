@@ -24,6 +24,9 @@
 * **Document statistics.** A packed corpus's document lengths go to the metrics (``data/…`` tags).
 * **Progress.** The step's phases and blocks, for the long-step lines, the ``progress/…`` tags
   and the run's ETA (``titan_upipe.torchtitan_0_2.progress``).
+* **Health.** A step whose loss or gradient norm is NaN or infinite stops the job, skips its update
+  or warns (``training.on_nonfinite``; ``titan_upipe.torchtitan_0_2.health``), decided before the
+  optimizer step and the same on every rank.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
     shard_batch,
 )
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_0_2.health import NONFINITE_TAG, build_guard, global_step_values
 from titan_upipe.torchtitan_0_2.progress import build_step_progress
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -67,6 +71,7 @@ class ContextParallelTrainer(Trainer):
         if take_stats is not None and hasattr(self.metrics_processor, "document_stats"):
             self.metrics_processor.document_stats = take_stats
         self.progress = build_step_progress(job_config, self.model_parts, self.device)
+        self.health = build_guard(job_config, self.checkpointer)
 
     @property
     def data_parallel_degree(self) -> int:
@@ -134,16 +139,25 @@ class ContextParallelTrainer(Trainer):
             [p for m in self.model_parts for p in m.parameters()], self.job_config.training.max_norm,
             foreach=True, pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()
-        self.lr_schedulers.step()
+        values = global_step_values(self.step, torch.stack(losses).sum(), grad_norm, lr)
+        action = self.health.action(values)
+        if action in (None, "warn"):
+            self.optimizers.step()
+            self.lr_schedulers.step()
+        else:  # skip_step, stop: the update would carry NaN or inf into the weights
+            self.optimizers.zero_grad()
         phase_times = self.progress.end_step()
 
-        if not self.metrics_processor.should_log(self.step):
+        # A non-finite step is always logged, so that the dashboard marks it (health/nonfinite_steps).
+        if action is None and not self.metrics_processor.should_log(self.step):
             return
         avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
-        self.metrics_processor.log(self.step, avg_loss, max_loss, grad_norm.item(),
-                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr, **phase_times})
+        self.metrics_processor.log(self.step, avg_loss, max_loss, values.grad_norm,
+                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
+                                                  NONFINITE_TAG: self.health.nonfinite_steps, **phase_times})
         self.progress.report_step_end()
+        if action == "stop":
+            raise self.health.stopped(values)
 
     def _reduce_losses(self, loss: torch.Tensor, global_valid, batch_valid: torch.Tensor) -> tuple[float, float]:
         """(global mean, max over data-parallel batches of the batch mean) from this rank's

@@ -3,7 +3,6 @@ attention kernel ``[upipe] attention_backend`` resolves to."""
 
 from __future__ import annotations
 
-import torchtitan.tools.utils as titan_utils
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.protocols import model_converter
 
@@ -15,6 +14,7 @@ from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
 from titan_upipe.torchtitan_0_2.checks.ignored import ignored_settings
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES
+from titan_upipe.torchtitan_0_2.cpu_runtime import job_device
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim, packs_documents
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
@@ -33,7 +33,7 @@ def attention_backend_choice(job_config, probe: bool = True, layout: CPLayout | 
     layout = layout or cp_layout(job_config)
     # packed documents on CUDA need a varlen kernel: auto passes over those without one
     args = flavor_args(job_config, update=False)
-    varlen = titan_utils.device_type == "cuda" and packs_documents(args)
+    varlen = job_device(job_config) == "cuda" and packs_documents(args)
     return choose_backend(job_config.upipe.attention_backend, compute_dtype(job_config), ring=layout.has_ring,
                           probe=probe, head_dim=head_dim(args), varlen=varlen)
 
@@ -88,7 +88,8 @@ def check_document_masking(job_config, world_size: int) -> None:
       row would be one document;
     * ``block_causal`` under a CP converter on CUDA with an attention backend (``auto`` resolved)
       that has no varlen kernel (``attention.documents.document_kernel_problem``). The device is
-      the one this process trains on (TorchTitan's ``device_type``; CPU on a machine without one).
+      the one the job trains on (``cpu_runtime.job_device``: this process's, or the compute nodes'
+      that ``validate`` names on a login node), the kernels the installed packages provide.
     """
     args = flavor_args(job_config, update=False)
     attn_type = getattr(args, "attn_type", "sdpa")
@@ -131,7 +132,7 @@ def check_document_masking(job_config, world_size: int) -> None:
                 f"(plain causal attention); use {DOCS_DATASET!r} (packed documents) or a causal flavor (e.g. debug)")
     if mode is not None:
         backend = BACKENDS[attention_backend_choice(job_config, probe=False).name]
-        if problem := document_kernel_problem(backend, titan_utils.device_type):
+        if problem := document_kernel_problem(backend, job_device(job_config)):
             raise ConfigError(f"{flavor} under {mode}: {problem}")
 
 

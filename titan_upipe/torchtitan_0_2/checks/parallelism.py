@@ -3,10 +3,9 @@ and the flavor's heads): degrees, world size, the one ``CPLayout`` of the job.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPLayout, CPMode, cp_mode, divisors, layout_problem
+from titan_upipe.parallel.cp_layout import CPLayout, CPMode, cp_mode
+from titan_upipe.torchtitan_0_2.checks.layout_fixes import UnfitLayout
 from titan_upipe.torchtitan_0_2.config import (
     OptimizerHostState,
     plugin_fields,
@@ -54,113 +53,30 @@ def _degree_terms(parallelism) -> list[str]:
     return [f"{key} {getattr(parallelism, key)}" for key in DEGREES_BESIDES_SHARD if getattr(parallelism, key) != 1]
 
 
-def _neighbouring_multiples(unit: int, world_size: int) -> str:
-    """``"2 or 4"``: the multiples of ``unit`` just below and above ``world_size`` (below only if > 0)."""
-    below = world_size // unit * unit
-    return f"{below} or {below + unit}" if below else str(below + unit)
-
-
-CPDegreeFits = Callable[[int], bool]
-"""Whether ``context_parallel_degree = c`` fits the rest of the job (:func:`cp_degree_fits`)."""
-
-
-def _ranks_besides_cp(parallelism, shard: int) -> int:
-    """Ranks per CP group: every degree but CP's, with ``shard`` FSDP ranks."""
-    return degrees_besides_shard(parallelism) // parallelism.context_parallel_degree * shard
-
-
-def _fitting_cp_degrees(parallelism, world_size: int, shard: int = 1, fits: CPDegreeFits | None = None) -> list[int]:
-    """``context_parallel_degree`` values that, with the other degrees (and ``shard`` FSDP ranks),
-    fit ``world_size`` (every divisor of what the others leave) and, where ``fits`` is given, the
-    rest of the job."""
-    others = _ranks_besides_cp(parallelism, shard)
-    if world_size % others:
-        return []
-    return [c for c in divisors(world_size // others) if fits is None or fits(c)]
-
-
-def _cp_degree_advice(parallelism, world_size: int, shard: int, fits: CPDegreeFits | None) -> str:
-    """``"set context_parallel_degree to one of 2, 4"``: the degrees that fit the launch and the job;
-    where the launch leaves room for some but none fits the job, a note saying so ('' otherwise)."""
-    if cp_degrees := _fitting_cp_degrees(parallelism, world_size, shard, fits):
-        values = f"one of {', '.join(map(str, cp_degrees))}" if len(cp_degrees) > 1 else str(cp_degrees[0])
-        return f"set context_parallel_degree to {values}"
-    if fits is None or world_size % _ranks_besides_cp(parallelism, shard):
-        return ""
-    return f"(no context_parallel_degree fits both {world_size} ranks and this job's heads, [upipe] settings and seq_len)"
-
-
-def _fixes(launch: str, parallelism, world_size: int, shard: int, fits: CPDegreeFits | None) -> str:
-    """``"launch 4 ranks, or set context_parallel_degree to 2"``; the launch is advised only where the
-    configured CP degree fits the job (more ranks would not help a degree the heads refuse)."""
-    advice = _cp_degree_advice(parallelism, world_size, shard, fits)
-    if fits is not None and not fits(parallelism.context_parallel_degree):
-        return advice or f"no context_parallel_degree fits this job on {world_size} ranks"
-    if advice.startswith("("):
-        return f"{launch} {advice}"
-    return f"{launch}, or {advice}" if advice else launch
-
-
-def _not_a_multiple(parallelism, world_size: int, fits: CPDegreeFits | None) -> str:
-    """dp_shard = -1: the world size must be a multiple of the other degrees."""
-    terms = _degree_terms(parallelism)
-    unit = degrees_besides_shard(parallelism)
-    product = " x ".join(terms) + (f" = {unit}" if len(terms) > 1 else "")
-    ranks = f"{world_size} ranks are" if world_size != 1 else "1 rank is"
-    launch = f"launch {_neighbouring_multiples(unit, world_size)} ranks"
-    return f"{ranks} not a multiple of {product}: " + _fixes(launch, parallelism, world_size, 1, fits)
-
-
-def _shard_mismatch(parallelism, world_size: int, fits: CPDegreeFits | None) -> str:
-    """A fixed dp_shard: the degrees multiply to a world size other than the launched one."""
-    shard = parallelism.data_parallel_shard_degree
-    fixed = degrees_besides_shard(parallelism)
-    terms = [*_degree_terms(parallelism), f"data_parallel_shard_degree {shard}"]
-    message = f"{' x '.join(terms)} need {fixed * shard} ranks, but {world_size} are launched: "
-    if world_size % fixed == 0:
-        return message + (f"launch {fixed * shard} ranks, or set data_parallel_shard_degree to {world_size // fixed} "
-                          "(or -1: the ranks the other degrees leave)")
-    return message + _fixes(f"launch {fixed * shard} ranks", parallelism, world_size, shard, fits)
-
-
-def world_size_problem(parallelism, world_size: int, fits: CPDegreeFits | None = None) -> str | None:
-    """What is wrong with launching these degrees on ``world_size`` ranks, and what to change
-    (a ``context_parallel_degree`` suggested only where ``fits`` accepts it: :func:`cp_degree_fits`);
-    None when they fit (or when a degree is itself invalid: :func:`check_parallel_degrees`)."""
+def world_size_problem(parallelism, world_size: int) -> str | None:
+    """What is wrong with launching these degrees on ``world_size`` ranks (its fix is chosen by
+    trying layouts on the whole job: ``layout_fixes``); None when they fit (or when a degree is
+    itself invalid: :func:`check_parallel_degrees`)."""
     if not _degrees_are_valid(parallelism):
         return None
     fixed = degrees_besides_shard(parallelism)
-    if parallelism.data_parallel_shard_degree == -1:
-        return None if world_size % fixed == 0 else _not_a_multiple(parallelism, world_size, fits)
-    return None if fixed * parallelism.data_parallel_shard_degree == world_size else _shard_mismatch(
-        parallelism, world_size, fits)
-
-
-def cp_degree_fits(job_config) -> CPDegreeFits:
-    """Whether a ``context_parallel_degree`` fits the rest of the job: the layout
-    (``parallel.cp_layout.layout_problem``: the converter, ``[upipe] ulysses_degree``, the flavor's
-    query and KV heads, U, ``training.seq_len``) and, under tsp, the heads and FFN width it splits.
-    A mistake in those settings themselves (an unknown flavor) is another check's: then every
-    degree is taken to fit."""
-    try:
-        mode = cp_mode(list(job_config.model.converters))
-        args = flavor_args(job_config, update=False) if mode is not None else None
-    except ConfigError:
-        return lambda degree: True
-    n_heads, n_kv_heads = (args.n_heads, args.n_kv_heads or args.n_heads) if args is not None else (0, 0)
-    upipe, seq_len = job_config.upipe, max(job_config.training.seq_len, 0)
-
-    def fits(degree: int) -> bool:
-        if layout_problem(mode, degree, upipe.ulysses_degree, n_heads, n_kv_heads, upipe.heads_per_stage, seq_len):
-            return False
-        return mode is not CPMode.TSP or not tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree)
-
-    return fits
+    shard = parallelism.data_parallel_shard_degree
+    if shard == -1:
+        if world_size % fixed == 0:
+            return None
+        terms = _degree_terms(parallelism)
+        product = " x ".join(terms) + (f" = {fixed}" if len(terms) > 1 else "")
+        ranks = f"{world_size} ranks are" if world_size != 1 else "1 rank is"
+        return f"{ranks} not a multiple of {product}"
+    if fixed * shard == world_size:
+        return None
+    terms = [*_degree_terms(parallelism), f"data_parallel_shard_degree {shard}"]
+    return f"{' x '.join(terms)} need {fixed * shard} ranks, but {world_size} are launched"
 
 
 def check_world_size(job_config, world_size: int) -> None:
-    if problem := world_size_problem(job_config.parallelism, world_size, cp_degree_fits(job_config)):
-        raise ConfigError(problem)
+    if problem := world_size_problem(job_config.parallelism, world_size):
+        raise UnfitLayout(problem)
 
 
 def data_parallel_degree(parallelism, world_size: int) -> int | None:
@@ -187,6 +103,15 @@ def check_supported_parallelism(job_config, world_size: int) -> None:
             "context parallelism only: set parallelism.tensor_parallel_degree, "
             "pipeline_parallel_degree and expert_parallel_degree to 1"
         )
+    replicas = parallelism.data_parallel_replicate_degree
+    # TorchTitan shards over dp_shard x CP; without either, replicas alone are DDP, which
+    # parallelize refuses only after the process groups started
+    if replicas > 1 and _degrees_are_valid(parallelism) and not world_size_problem(parallelism, world_size) \
+            and data_parallel_shard_degree(parallelism, world_size) == 1 and parallelism.context_parallel_degree == 1:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree = {replicas} without sharding (DDP) is not supported by "
+            "titan_upipe: shard instead with parallelism.data_parallel_shard_degree (FSDP), or shard within each "
+            "replica as well (HSDP: data_parallel_shard_degree of 2 or more)")
 
 
 def model_heads(job_config) -> tuple[int, int]:
@@ -218,7 +143,8 @@ def cp_layout(job_config) -> CPLayout:
 
 def check_context_parallel(job_config, world_size: int) -> None:
     """The job's one CP layout, built and validated (the kernel it needs:
-    ``model.check_attention_backend``)."""
+    ``model.check_attention_backend``). A degree, Ulysses degree or U its rules refuse is a
+    ``cp_layout.LayoutError``: the runner of the job checks names the values that pass them all."""
     cp_layout(job_config)
 
 

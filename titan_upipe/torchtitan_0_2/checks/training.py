@@ -11,7 +11,7 @@ from torchtitan.hf_datasets.text_datasets import DATASETS
 from titan_upipe.data.builders import PLUGIN_DATASETS
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
-from titan_upipe.errors import ConfigError
+from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.resources import resource
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout, data_parallel_degree
@@ -53,10 +53,26 @@ def check_global_batch(training, parallelism, world_size: int) -> None:
         )
 
 
+def dataset_names() -> list[str]:
+    """Every ``training.dataset``/``validation.dataset`` a job can read: the plugin's own and the ones
+    in TorchTitan's hub registry (``DATASETS``, which names none of the plugin's but synthetic_copy)."""
+    return sorted({*PLUGIN_DATASETS, *DATASETS})
+
+
+def check_dataset_name(key: str, dataset: str) -> None:
+    """``key`` (``training.dataset``, ``validation.dataset``) names a dataset a loader reads: any
+    other name goes to TorchTitan's hub pipeline, which refuses it only after the process groups
+    started."""
+    if dataset not in PLUGIN_DATASETS and dataset not in DATASETS:
+        raise ConfigError(with_suggestion(f"{key} = {dataset!r} is unknown: valid values are "
+                                          f"{', '.join(dataset_names())}", dataset, dataset_names()))
+
+
 def check_training(job_config, world_size: int) -> None:
-    """Batch sizes and step count before any process group starts."""
+    """Batch sizes, step count and the dataset name before any process group starts."""
     check_training_counts(job_config.training)
     check_global_batch(job_config.training, job_config.parallelism, world_size)
+    check_dataset_name("training.dataset", job_config.training.dataset)
 
 
 def check_offload(job_config, world_size: int) -> None:
@@ -139,9 +155,7 @@ def check_validation(job_config, world_size: int) -> None:
                           f"{job_config.training.seq_len} (the RoPE table's length): set validation.seq_len <= "
                           f"{job_config.training.seq_len}")
     cp_layout(job_config).check_length(validation.seq_len, "validation.seq_len")
-    if validation.dataset not in PLUGIN_DATASETS and validation.dataset not in DATASETS:
-        raise ConfigError(f"validation.dataset = {validation.dataset!r} is unknown: valid values are "
-                          f"{', '.join(sorted({*PLUGIN_DATASETS, *DATASETS}))}")
+    check_dataset_name("validation.dataset", validation.dataset)
     if (validation.dataset in SYNTHETIC_DATASETS) != (job_config.training.dataset in SYNTHETIC_DATASETS):
         raise ConfigError(f"validation.dataset = {validation.dataset!r} and training.dataset = "
                           f"{job_config.training.dataset!r} use different tokenizers ({', '.join(SYNTHETIC_DATASETS)} "

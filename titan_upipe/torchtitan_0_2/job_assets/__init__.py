@@ -5,7 +5,8 @@ what                        checked when
 =========================== ============================================================
 tokenizer                   ``training.dataset`` is not synthetic: ``tokenizer.json`` (or
                             ``vocab.json``/``vocab.txt``) in ``model.hf_assets_path``, loadable,
-                            its vocabulary no larger than the model's ``vocab_size``
+                            its vocabulary no larger than the model's ``vocab_size``, an EOS
+                            token for a ``block_causal`` flavor
 dataset files               ``training.dataset = "local_text"``: every ``local_data.paths``
                             pattern matches .jsonl/.parquet/.txt files, whose first records read
                             (text key present, no broken line, not empty); so does
@@ -15,7 +16,7 @@ dataset files               ``training.dataset = "local_text"``: every ``local_d
 resume point                ``checkpoint.folder`` holds ``step-N``: the step to load has a readable
                             ``.metadata``, every ``.distcp`` shard it reads at full size, this
                             model's tensors (names and shapes), and is a full checkpoint (not a
-                            model-only final save) with this loader's keys
+                            model-only final save) with the data cursor of the configured dataset
 initial checkpoint          no checkpoint folder: ``checkpoint.initial_load_path`` (DCP: as the
                             resume point) or, with ``initial_load_in_hf``, ``*.safetensors`` whose
                             headers hold this model's names and shapes and fit their files; a
@@ -32,6 +33,7 @@ skips, …); ``check_assets`` logs them on rank 0.
 
 from __future__ import annotations
 
+from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.tools.logging import logger
 
 from titan_upipe.data.builders import PLUGIN_DATASETS
@@ -65,7 +67,8 @@ def asset_warnings(job_config) -> list[str]:
     if ckpt.enable and ckpt.last_save_model_only and not ckpt.load_only:
         warnings.append("checkpoint.last_save_model_only = true: the final checkpoint holds the model only, so a "
                         "later run with more steps cannot resume from it; set it to false for resumable jobs")
-    if job_config.training.dataset not in PLUGIN_DATASETS and not job_config.training.dataset_path:
+    hub = job_config.training.dataset in DATASETS and job_config.training.dataset not in PLUGIN_DATASETS
+    if hub and not job_config.training.dataset_path:  # (an unknown name: the job checks refuse it)
         warnings.append(f"training.dataset = {job_config.training.dataset!r} streams from the Hugging Face hub: "
                         "every node needs network access; use training.dataset = \"local_text\" for local files")
     if partial := partial_checkpoint_warning(job_config):

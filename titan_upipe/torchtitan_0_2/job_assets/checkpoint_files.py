@@ -1,6 +1,7 @@
 """Reading a checkpoint's own description of itself, cheaply: a DCP folder's ``.metadata`` (its
 tensors, their shapes, the byte ranges of each ``.distcp`` shard file) and the headers of Hugging
-Face ``*.safetensors`` files. Nothing here reads a tensor.
+Face ``*.safetensors`` files, and a few small values a DCP checkpoint saved beside its tensors
+(the data cursor). Nothing here reads a tensor.
 
 Each problem is a :class:`~titan_upipe.errors.ConfigError` naming the file; ``fix`` is the
 caller's advice for that checkpoint (it differs for a resume point and an initial load).
@@ -34,6 +35,27 @@ def read_metadata(path: str, fix: str):
 def checkpoint_keys(path: str) -> set[str]:
     """The flattened state keys of a DCP checkpoint (reads its ``.metadata`` only)."""
     return set(read_metadata(path, "fix or remove the checkpoint").state_dict_metadata)
+
+
+def read_values(path: str, defaults: dict, fix: str) -> dict:
+    """The small non-tensor entries that ``defaults`` names, read from the DCP checkpoint ``path``
+    (nested as saved, e.g. ``{"dataloader": {"stream": {"file": -1}}}``; an entry the checkpoint
+    lacks keeps its default). Reads those entries' bytes only, no tensor."""
+    import copy
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    values = copy.deepcopy(defaults)
+    try:
+        with warnings.catch_warnings():  # ("torch.distributed is disabled …": one process, as intended)
+            warnings.simplefilter("ignore")
+            dcp.load(values, checkpoint_id=path, no_dist=True, planner=DefaultLoadPlanner(allow_partial_load=True))
+    except Exception as err:  # an unreadable shard: the same problem the shard checks name, from the reader
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{path} cannot be read ({type(err).__name__}: {reason}): {fix}") from None
+    return values
 
 
 def bytes_needed_per_file(metadata) -> dict[str, int]:

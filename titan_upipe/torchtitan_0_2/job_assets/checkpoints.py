@@ -14,12 +14,14 @@ import glob
 import os
 import re
 
-from titan_upipe.data.builders import PLUGIN_DATASETS
+from titan_upipe.data.builders import PLUGIN_DATASETS, loader_state_keys
+from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, expand_paths
 from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.torchtitan_0_2.job_assets.checkpoint_files import (
     check_shards,
     model_shapes,
     read_metadata,
+    read_values,
     safetensors_shapes,
 )
 from titan_upipe.torchtitan_0_2.job_assets.inputs import download_hint
@@ -115,12 +117,63 @@ def _check_full_checkpoint(job_config, path: str, keys: set[str], folder: str, s
             f"checkpoint with --checkpoint.load_step N (full: {full or 'none'}), or start a new run from these "
             f"weights: move {folder} away and pass --checkpoint.initial_load_path {path}. Set "
             "checkpoint.last_save_model_only = false so that final saves can be resumed")
-    if job_config.training.dataset in PLUGIN_DATASETS and "dataloader" not in ckpt.exclude_from_loading:
-        if any(key.startswith("dataloader.dp_rank_") for key in keys):
+    if "dataloader" not in ckpt.exclude_from_loading:
+        _check_data_cursor(job_config.training.dataset, path, keys)
+        if job_config.training.dataset == LOCAL_TEXT_DATASET:
+            _check_cursor_file(job_config.local_data.paths, path)
+
+
+RESTART_DATA = "or restart the data from its beginning with --checkpoint.exclude_from_loading dataloader"
+
+
+def _saved_by(saved: set[str]) -> str:
+    """Which plugin datasets save exactly these ``dataloader`` keys: ``training.dataset =
+    'synthetic_copy' or 'synthetic_docs'``, or what the keys are."""
+    names = [name for name in PLUGIN_DATASETS if loader_state_keys(name) == saved]
+    if names:
+        return "training.dataset = " + " or ".join(map(repr, names))
+    return f"dataloader keys {', '.join(sorted(saved)) or '(none)'}"
+
+
+def _check_data_cursor(dataset: str, path: str, keys: set[str]) -> None:
+    """The data loader state in the checkpoint is the one this job's loader loads: DCP loads into
+    the job's own state, so a key it lacks stops the resume after launch ("Missing key …
+    dataloader.stream.epoch" for a synthetic_copy checkpoint resumed on local_text)."""
+    saved = {key.removeprefix("dataloader.") for key in keys if key.startswith("dataloader.")}
+    per_rank = any(key.startswith("dp_rank_") for key in saved)
+    if dataset in PLUGIN_DATASETS:
+        if per_rank:
             raise ConfigError(
                 f"{path} holds TorchTitan's per-rank data loader state, not the plugin's global data cursor of "
-                f"training.dataset = {job_config.training.dataset!r}: resume with the dataset it was saved with, or "
-                "restart the data from its beginning with --checkpoint.exclude_from_loading dataloader")
+                f"training.dataset = {dataset!r}: resume with the dataset it was saved with, {RESTART_DATA}")
+        if missing := sorted(loader_state_keys(dataset) - saved):
+            raise ConfigError(
+                f"{path} holds the data cursor of {_saved_by(saved)}, but training.dataset = {dataset!r} resumes "
+                f"from {', '.join(f'dataloader.{key}' for key in missing)}: resume with the dataset it was saved "
+                f"with, {RESTART_DATA}")
+    elif saved and not per_rank:
+        raise ConfigError(
+            f"{path} holds the plugin's global data cursor ({_saved_by(saved)}), but training.dataset = "
+            f"{dataset!r} is read by TorchTitan's loader, which resumes from one state per data-parallel rank: "
+            f"resume with the dataset it was saved with, {RESTART_DATA}")
+
+
+def _check_cursor_file(patterns: list[str], path: str) -> None:
+    """A local_text cursor points into the file ``local_data.paths`` lists at its index now, as
+    ``LocalTextStream.load_state_dict`` requires after launch (the files' order is the sorted
+    paths: a file added or renamed moves the others)."""
+    try:
+        files = expand_paths(patterns)
+    except ConfigError:  # patterns that match nothing: check_dataset names them
+        return
+    saved = read_values(path, {"dataloader": {"stream": {"file": -1, "file_path": ""}}}, "move it away")
+    index, file_path = saved["dataloader"]["stream"]["file"], saved["dataloader"]["stream"]["file_path"]
+    if 0 <= index < len(files) and files[index] == file_path:
+        return
+    here = files[index] if 0 <= index < len(files) else f"no file (it lists {len(files)})"
+    raise ConfigError(f"{path}: the data cursor points into file {index} = {file_path}, but local_data.paths now lists "
+                      f"{here} there: resume with the files of the original run (adding or renaming files changes the "
+                      f"order), {RESTART_DATA}")
 
 
 def resume_step(job_config, steps: list[int]) -> int:

@@ -1,8 +1,9 @@
 """What a job reads as input: the tokenizer and the data files, opened as the job will open them.
 
 * The tokenizer of ``model.hf_assets_path`` (any dataset but the synthetic ones): present,
-  loadable by TorchTitan's ``HuggingFaceTokenizer`` (a JSON file that is not JSON is named), and
-  no larger than the model's embedding (``vocab_size``: a larger id fails mid-step).
+  loadable by TorchTitan's ``HuggingFaceTokenizer`` (a JSON file that is not JSON is named), no
+  larger than the model's embedding (``vocab_size``: a larger id fails mid-step), and with an EOS
+  token for a ``block_causal`` flavor (which ends a packed document at each).
 * ``training.dataset = "local_text"``: every ``local_data.paths`` pattern matches .jsonl/.parquet/.txt
   files, and the first records of each file (the first ``MAX_FILES_READ`` files; every file's
   size) read as the loader reads them (``local_text.check_first_records``); likewise
@@ -22,6 +23,7 @@ from titan_upipe.data.local_text import (
 )
 from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.job_assets.model_state import job_model_state
 
 HF_REPOS = {"upipe_llama3": {"8B": "meta-llama/Llama-3.1-8B"}, "upipe_qwen3": {"32B": "Qwen/Qwen3-32B"},
@@ -74,6 +76,21 @@ def load_tokenizer(job_config, folder: str):
                           f"it again ({download_hint(job_config, folder)})") from None
 
 
+def check_document_eos(job_config, folder: str, tokenizer) -> None:
+    """A ``block_causal`` flavor ends each packed document at the tokenizer's EOS token: a tokenizer
+    without one (its config names no ``eos_token``) stops the trainer at its first batch."""
+    try:
+        args = flavor_args(job_config, update=False)
+    except ConfigError:  # an unknown model or flavor: the job checks name it
+        return
+    if packs_documents(args) and getattr(tokenizer, "eos_id", None) is None:
+        raise ConfigError(
+            f"model.flavor = {job_config.model.flavor!r} (attn_mask_type 'block_causal') ends a packed document at "
+            f"each EOS token, but the tokenizer in model.hf_assets_path = {folder!r} has none (no eos_token in "
+            f"tokenizer_config.json): use the model's own tokenizer ({download_hint(job_config, folder)}), or a "
+            "causal flavor")
+
+
 def check_tokenizer(job_config) -> None:
     if job_config.training.dataset in SYNTHETIC_DATASETS:
         return
@@ -85,7 +102,9 @@ def check_tokenizer(job_config) -> None:
             f"model.hf_assets_path = {folder!r} {state}: training.dataset = {job_config.training.dataset!r} is "
             f"tokenized with the Hugging Face tokenizer there. Download it ({download_hint(job_config, folder)}), "
             f"or point model.hf_assets_path at the folder holding tokenizer.json")
-    tokens = load_tokenizer(job_config, folder).get_vocab_size()
+    tokenizer = load_tokenizer(job_config, folder)
+    check_document_eos(job_config, folder, tokenizer)
+    tokens = tokenizer.get_vocab_size()
     model = job_model_state(job_config)
     vocab_size = model.vocab_size if model else None
     if vocab_size and tokens > vocab_size:

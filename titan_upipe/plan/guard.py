@@ -1,0 +1,257 @@
+"""The memory guard: a job the memory planner predicts will not fit is refused before anything is
+allocated, with the longest ``training.seq_len`` that fits as the fix.
+
+Without it a ``seq_len`` of ``2**40`` reaches the allocator: a 70 TB request after the model is
+built, the OOM killer on a CPU machine without a memory cap. The planner (``plan.step.plan``) is
+pure arithmetic and takes milliseconds, so every entry point that allocates runs the guard
+first: the trainer (:func:`prepare_launch`, passed by ``titan_upipe.train``), the rank emulator
+(``emulate``, with the blocks it builds) and the parity check (``check``: its two unsharded
+models and their gradients hold about the training step's sharded state and moments or more, and
+its activations are not checkpointed, so the training step's plan does not overstate it);
+``validate`` judges the job for its target machine (:func:`target_machine`).
+
+What a rank has:
+
+- on CUDA, the GPU's total memory less the planner's runtime reserve (``PlanInput.reserve``)
+  (a node's host memory for offloaded activations is ``validate``'s check, against the compute
+  node's memory);
+- on the CPU, where activations, state and offloaded inputs share one memory, the host memory
+  free now (``MemAvailable``, within a container's limit), divided among the node's ranks.
+
+Selective layer AC and ``activation_checkpoint.mode = "memory_budget"``, which the planner does
+not model, are planned as full AC: they keep more, so the plan is a lower bound. A job the
+planner cannot plan at all (its ValueError) is not guarded: the guard never stops a launch it
+cannot judge.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from titan_upipe.attention.keep import KeepAttentionPlan
+from titan_upipe.errors import ConfigError
+from titan_upipe.plan.cli import PLAN_GPU_GIB
+from titan_upipe.plan.job import PlanInput
+from titan_upipe.plan.job_config import (
+    MachineMemory,
+    async_checkpoint_staging_bytes,
+    cgroup_memory_limit,
+    plan_input_from_job_config,
+    size_keep_attention_of_job,
+)
+from titan_upipe.plan.search import longest_multiple
+from titan_upipe.plan.step import plan
+from titan_upipe.plan.units import GIB
+from titan_upipe.torchtitan_0_2 import cpu_runtime
+
+logger = logging.getLogger(__name__)
+
+CGROUP_USAGE = ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes")
+"""A container's memory in use (cgroup v2, v1), beside its limit (``plan.job_config.CGROUP_LIMITS``)."""
+
+CHECKPOINTED_MODES = ("none", "full")
+"""``activation_checkpoint.mode`` values the planner models as they are; the others keep more
+than full AC and are planned as full AC, a lower bound."""
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_host_bytes() -> float:
+    """Host memory free now: ``MemAvailable`` of ``/proc/meminfo`` (the free pages of the machine
+    where there is none), no more than a container's limit less its usage."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        free = float(int(fields["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        free = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    limit = cgroup_memory_limit()
+    usage = next((used for path in CGROUP_USAGE if (used := _read_int(path)) is not None), None)
+    if limit != float("inf") and usage is not None:
+        free = min(free, max(limit - usage, 0.0))
+    return free
+
+
+def this_gpu_bytes() -> float:
+    """Total memory of this rank's GPU (``LOCAL_RANK``)."""
+    return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory)
+
+
+def local_ranks(world_size: int) -> int:
+    """Ranks of the job on this node (torchrun's ``LOCAL_WORLD_SIZE``; the whole job without it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+
+
+def free_machine_memory(ranks_on_node: int, device: str | None = None) -> MachineMemory:
+    """What each of ``ranks_on_node`` ranks has here (``device``: ``cuda`` or ``cpu``; None: the
+    device TorchTitan trains on, the CPU where the plugin's CPU runtime is active): the GPU's total
+    memory, or the free host memory divided among the ranks; the node's free host memory."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and not cpu_runtime.is_active() else "cpu"
+    host = available_host_bytes()
+    ranks = max(ranks_on_node, 1)
+    if device == "cuda":
+        return MachineMemory(this_gpu_bytes(), host, ranks, "cuda")
+    return MachineMemory(host / ranks, host, ranks, "cpu")
+
+
+def target_machine(job_config, world_size: int, host_bytes: float | None = None,
+                   gpu_bytes: float = PLAN_GPU_GIB * GIB, device: str | None = None) -> MachineMemory:
+    """The machine ``validate`` judges a job for, away from it: ``device`` (``cuda``, ``cpu``; None:
+    a job with half-precision parameters on a GPU, a float32 job on a CPU machine, the planner's
+    reading of ``training.mixed_precision_param``); a GPU is this machine's, else one of
+    ``gpu_bytes``; ``host_bytes`` of host memory (default: free here) shared by up to 8 ranks."""
+    ranks = min(world_size, 8)
+    host = available_host_bytes() if host_bytes is None else float(host_bytes)
+    if device is None:
+        device = "cpu" if job_config.training.mixed_precision_param == "float32" else "cuda"
+    if device == "cpu":
+        return MachineMemory(host / ranks, host, ranks, "cpu")
+    return MachineMemory(this_gpu_bytes() if torch.cuda.is_available() else gpu_bytes, host, ranks, "cuda")
+
+
+def _as_planned(job_config):
+    """``job_config``, or a copy with ``activation_checkpoint.mode = "full"`` where its mode is one
+    the planner does not model (selective layer AC, a memory budget: both keep more than full AC)."""
+    ac = job_config.activation_checkpoint
+    if ac.mode in CHECKPOINTED_MODES or (ac.mode == "selective" and str(ac.selective_ac_option).strip() in ("op", "1")):
+        return job_config
+    planned = copy.copy(job_config)
+    planned.activation_checkpoint = replace(ac, mode="full")
+    return planned
+
+
+def planned_job(job_config, world_size: int, machine: MachineMemory, n_layers: int | None = None,
+                batch: int | None = None) -> PlanInput:
+    """The job as the planner sees it on ``machine`` (its device, its ranks per node); ``n_layers``:
+    that many blocks built (the emulator's ``--n-layers``), the kept and resident blocks capped to
+    them; ``batch``: sequences per step instead of ``training.local_batch_size`` (the parity
+    check's ``--batch``). Raises the planner's ValueError for a job it does not model."""
+    job = replace(plan_input_from_job_config(_as_planned(job_config), world_size, machine.device),
+                  gpus_per_node=machine.ranks_per_node)
+    if batch is not None:
+        job = replace(job, batch=batch)
+    if n_layers is None:
+        return job
+    keep = KeepAttentionPlan(min(job.keep_device_blocks, n_layers),
+                             min(job.keep_host_blocks, max(n_layers - job.keep_device_blocks, 0)))
+    return replace(job, model=replace(job.model, n_layers=n_layers), resident_blocks=min(job.resident_blocks, n_layers),
+                   keep_device_blocks=keep.device_blocks, keep_host_blocks=keep.host_blocks)
+
+
+class MemoryDoesNotFit(ConfigError):
+    """The planner predicts the job does not fit the machine (the tools that record OOMs, such as
+    the emulator's ``--json``, record this refusal as one)."""
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """What a rank of a planned job needs, beside what it has."""
+
+    rank_bytes: float
+    """The planner's peak of one step per rank; on the CPU with the rank's offloaded inputs, host
+    optimizer state and async checkpoint staging, which share its memory."""
+    rank_limit: float
+    """What a rank may use: GPU memory less the runtime reserve, or its share of the free host memory."""
+
+    @property
+    def fits(self) -> bool:
+        return self.rank_bytes <= self.rank_limit
+
+
+def memory_fit(job: PlanInput, machine: MachineMemory, staging_bytes: int) -> MemoryFit:
+    """The plan of ``job`` against ``machine`` (``staging_bytes``: a node's async checkpoint staging)."""
+    result = plan(job, machine.host_bytes)
+    if machine.device == "cuda":
+        return MemoryFit(result.peak_gpu_bytes, machine.gpu_bytes - job.reserve)
+    ranks = machine.ranks_per_node
+    return MemoryFit(result.peak_gpu_bytes + result.host_bytes_per_rank + staging_bytes / ranks,
+                     machine.host_bytes / ranks)
+
+
+def longest_fitting_length(job: PlanInput, machine: MachineMemory, staging_bytes: int) -> int | None:
+    """The longest multiple of the job's sequence unit below its ``seq_len`` that fits (0: none
+    does; None: the planner cannot plan a shorter length)."""
+    unit = job.seq_unit
+    try:
+        return unit * longest_multiple(
+            lambda k: memory_fit(replace(job, seq_len=k * unit), machine, staging_bytes).fits,
+            start=1, limit=max(job.seq_len // unit - 1, 1))
+    except ValueError:
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def _shortfall(job: PlanInput, fit: MemoryFit, machine: MachineMemory) -> str:
+    """What does not fit, in numbers."""
+    blocks = f"{job.model.n_layers} blocks, {job.tokens:,} tokens per rank"
+    if machine.device == "cuda":
+        return (f"the memory planner predicts {_gib(fit.rank_bytes)} per rank at the step's peak ({blocks}), and "
+                f"the GPU has {_gib(machine.gpu_bytes)}, {_gib(fit.rank_limit)} after the planner's "
+                f"{_gib(job.reserve)} runtime reserve")
+    return (f"the memory planner predicts {_gib(fit.rank_bytes)} per rank ({blocks}; on the CPU activations, state "
+            f"and offloaded inputs share the host memory), and {_gib(machine.host_bytes)} of host memory is free, "
+            f"{_gib(fit.rank_limit)} for {_each_of(machine.ranks_per_node)}")
+
+
+def _each_of(ranks: int) -> str:
+    return "its one rank" if ranks == 1 else f"each of its {ranks} ranks"
+
+
+def _fix(job: PlanInput, longest: int | None) -> str:
+    if longest is None:
+        return "lower training.seq_len"
+    if longest:
+        unit = f", a multiple of {job.seq_unit}" if job.seq_unit > 1 else ""
+        return f"set training.seq_len to {longest:,} or less (the longest that fits{unit})"
+    return (f"no training.seq_len fits (the model's state alone does not, even at {job.seq_unit} tokens): use more "
+            "ranks (FSDP shards the state) or a machine with more memory")
+
+
+def memory_problem(job_config, world_size: int, machine: MachineMemory, n_layers: int | None = None,
+                   batch: int | None = None) -> str | None:
+    """Why the job does not fit ``machine`` (``n_layers``, ``batch``: :func:`planned_job`), with the
+    fix; None when it fits or the planner cannot plan it (logged)."""
+    try:
+        job = planned_job(job_config, world_size, machine, n_layers, batch)
+        staging = async_checkpoint_staging_bytes(job_config, job)
+        fit = memory_fit(job, machine, staging)
+    except ValueError as err:  # ConfigError too: a setting the planner refuses
+        logger.info(f"memory guard skipped: the planner cannot plan this job ({err})")
+        return None
+    if fit.fits:
+        return None
+    longest = longest_fitting_length(job, machine, staging)
+    return (f"training.seq_len = {job.seq_len:,} does not fit: {_shortfall(job, fit, machine)}; "
+            f"{_fix(job, longest)}")
+
+
+def check_memory_fits(job_config, world_size: int, machine: MachineMemory | None = None, *,
+                      n_layers: int | None = None, batch: int | None = None) -> None:
+    """Raise :class:`MemoryDoesNotFit` (a ConfigError) when the planner predicts the job does not
+    fit ``machine`` (default: this one, its free memory now, shared by the node's ranks);
+    ``n_layers``, ``batch``: what is built and run instead of the config's (:func:`planned_job`)."""
+    machine = machine or free_machine_memory(local_ranks(world_size))
+    if problem := memory_problem(job_config, world_size, machine, n_layers, batch):
+        raise MemoryDoesNotFit(problem)
+
+
+def prepare_launch(job_config, world_size: int) -> KeepAttentionPlan:
+    """What ``titan_upipe.train`` decides before any process group starts: the memory guard, then
+    ``keep_attention = "auto"`` sized for this machine (``size_keep_attention_of_job``)."""
+    check_memory_fits(job_config, world_size)
+    return size_keep_attention_of_job(job_config, world_size)

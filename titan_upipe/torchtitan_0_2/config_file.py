@@ -1,0 +1,87 @@
+"""A job's TOML file, read as TorchTitan will read it, or refused in one line naming the file.
+
+TorchTitan 0.2.2 opens the file with ``tomllib`` and lets every failure through as a traceback
+without the file's name: a byte that is not UTF-8 (``UnicodeDecodeError``), a binary file, an
+unreadable one (``PermissionError``). A UTF-8 byte-order mark reads as "Invalid statement (line 1,
+column 1)", and an empty file parses as no settings at all, so the job silently trains
+TorchTitan's defaults. Each of these is a :class:`~titan_upipe.errors.ConfigError` here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tomllib
+from pathlib import Path
+
+from titan_upipe.errors import ConfigError, with_suggestion
+
+__all__ = ["load_toml", "toml_text"]
+
+_BYTE_ORDER_MARKS = {
+    b"\xef\xbb\xbf": "starts with a UTF-8 byte-order mark (BOM), which tomllib (TorchTitan's reader) refuses: save it "
+                     "as UTF-8 without a BOM",
+    b"\xff\xfe": "is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8",
+    b"\xfe\xff": "is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8",
+}
+"""What a config file that starts with a byte-order mark is (``tomllib`` reads UTF-8 without one)."""
+
+
+def _missing(path: str, file: Path) -> ConfigError:
+    if file.is_dir():
+        tomls = sorted(str(p) for p in file.glob("*.toml"))
+        return ConfigError(f"config file {path} is a directory: name one TOML file in it"
+                           + (f", one of {', '.join(tomls)}" if tomls else " (it has none)"))
+    siblings = sorted(str(p) for p in file.parent.glob("*.toml")) if file.parent.is_dir() else []
+    where = f"{file.parent}/ has no such file" if file.parent.is_dir() else f"{file.parent}/ does not exist"
+    return ConfigError(with_suggestion(f"config file {path} not found ({where})", path, siblings))
+
+
+def _read_bytes(path: str) -> bytes:
+    file = Path(path)
+    if not file.is_file():
+        raise _missing(path, file)
+    try:
+        return file.read_bytes()
+    except OSError as err:
+        reason = "permission denied" if err.errno in (errno.EACCES, errno.EPERM) else os.strerror(err.errno or 0)
+        raise ConfigError(f"config file {path} cannot be read ({reason}): make it readable by the user running "
+                          "the job (chmod a+r)") from None
+
+
+def _line_and_column(data: bytes, offset: int) -> tuple[int, int]:
+    line_start = data.rfind(b"\n", 0, offset) + 1
+    return data.count(b"\n", 0, offset) + 1, offset - line_start + 1
+
+
+def toml_text(path: str, data: bytes) -> str:
+    """``data``, the bytes of the config file ``path``, as text; raises ConfigError for a file that is
+    not UTF-8 TOML text (a byte-order mark, a NUL byte, a byte sequence that is not UTF-8)."""
+    for mark, problem in _BYTE_ORDER_MARKS.items():
+        if data.startswith(mark):
+            raise ConfigError(f"config file {path} {problem}")
+    if b"\x00" in data:
+        line, column = _line_and_column(data, data.index(b"\x00"))
+        raise ConfigError(f"config file {path} is a binary file, not TOML text (a NUL byte at line {line}, column "
+                          f"{column}): name the job's .toml file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line, column = _line_and_column(data, err.start)
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at line {line}, "
+                          f"column {column}): save it as UTF-8") from None
+
+
+def load_toml(path: str) -> dict:
+    """The settings of the TOML file at ``path``; a file that is missing, unreadable, not UTF-8 TOML
+    text, malformed or without any setting is a ConfigError naming the file and the fix."""
+    text = toml_text(path, _read_bytes(path))
+    try:
+        values = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    if not values:
+        what = "is empty" if not text.strip() else "holds no settings (only comments)"
+        raise ConfigError(f"config file {path} {what}: TorchTitan would train its defaults; name a config with "
+                          "[model] and [training], e.g. configs/debug/llama3_upipe.toml")
+    return values
