@@ -1,12 +1,14 @@
-"""Run functions on N gloo ranks in spawned processes and collect every rank's result.
+"""Run functions on N gloo ranks in forked processes and collect every rank's result.
 
-Spawning is the expensive part on a 2-core machine (each rank imports torch and
-TorchTitan: ~45 s for 8 ranks), so one pool of ranks per world size is spawned on first
-use and kept for the whole pytest session; every ``run_distributed`` call is a job sent
-to all ranks of that pool. A failure on any rank fails the caller with that rank's
-traceback; the pool is then torn down (other ranks may be stuck in a collective with the
-failed one) and the next call spawns a fresh one. A rank that dies without reporting
-fails the caller at once instead of waiting for the timeout.
+Starting ranks is the expensive part on a 2-core machine (each rank imports torch and
+TorchTitan, ~11 s: ~45 s for 8 ranks spawned), so the ranks are forked from one forkserver
+that imported them once (``PRELOADED``), and one pool of ranks per world size is started on
+first use and kept for the whole pytest session (the ranks share the forkserver's hash
+seed; the trainer's launches, ``forked_ranks``, give each rank its own). Every
+``run_distributed`` call is a job sent to all ranks of that pool. A failure on any rank
+fails the caller with that rank's traceback; the pool is then torn down (other ranks may be
+stuck in a collective with the failed one) and the next call starts a fresh one. A rank
+that dies without reporting fails the caller at once instead of waiting for the timeout.
 """
 
 from __future__ import annotations
@@ -54,9 +56,20 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any) -> N
         dist.destroy_process_group()
 
 
+PRELOADED = ["torch", "torch.distributed", "torchtitan.models.llama3", "torchtitan.models.qwen3", "titan_upipe.attention",
+             "titan_upipe.parallel", "titan_upipe.transforms", "dist_utils"]
+"""What the forkserver imports before it forks a rank (the rest each job's module imports)."""
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)  # read when the forkserver starts: the first pool's
+    return ctx
+
+
 class _RankPool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_ranks
+
 from titan_upipe import plan as P
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,14 +48,21 @@ def run_split(code: str, specs: list, env: dict[str, str], processes: int = 2, t
         shares[p].append(i)
         loads[p] += costs[i] if costs else 1
     shares = [share for share in shares if share]
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([specs[i] for i in share])], cwd=REPO,
-                              text=True, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for share in shares]
+    argvs = [[json.dumps([specs[i] for i in share])] for share in shares]
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    if forked_ranks.forkable(None, env):  # forks of pre-imported processes: the same runs, less the imports
+        runs = forked_ranks.run_python(code, argvs, env, REPO, timeout)
+    else:
+        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, text=True, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in argvs]
+        runs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     results = [None] * len(specs)
-    for proc, share in zip(procs, shares, strict=True):
-        out, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-4000:]
-        for i, result in zip(share, json.loads(out.strip().splitlines()[-1]), strict=True):
+    for run, share in zip(runs, shares, strict=True):
+        assert run.returncode == 0, run.stderr[-4000:]
+        for i, result in zip(share, json.loads(run.stdout.strip().splitlines()[-1]), strict=True):
             results[i] = result
     return results
 

@@ -29,6 +29,31 @@ def test_every_committed_config_parses(config):
     assert job.experimental.custom_import == "titan_upipe.plugin"
 
 
+SAME_PARSE = [
+    ["--job.config_file", str(REPO / "configs/llama3_8b/upipe_1m.toml")],
+    ["--job.config_file", str(REPO / "configs/qwen3_32b/upipe_usp_6m.toml"), "--training.steps", "7",
+     "--activation_checkpoint.no-cpu_offload", "--model.converters", "upipe,fused_ce", "--upipe.heads_per_stage=16"],
+    ["--job.config_file", str(REPO / "configs/debug/llama3_upipe_docs.toml"), "--validation.enable",
+     "--training.on_nonfinite", "skip_step", "--lr_scheduler.warmup_steps", "0"],
+    ["--training.steps", "3"],  # no TOML: the defaults
+]
+
+
+@pytest.mark.parametrize("args", SAME_PARSE, ids=["recipe", "overrides", "docs", "no-toml"])
+def test_the_parse_without_help_text_is_torchtitans(args):
+    """``HelpOnDemandConfigManager`` (tyro without the fields' help text) gives TorchTitan's
+    ``ConfigManager``'s JobConfig, field for field."""
+    import dataclasses
+
+    from torchtitan.config import ConfigManager
+
+    from titan_upipe.torchtitan_0_2.config_parse import HelpOnDemandConfigManager
+
+    args = with_plugin_config(args)
+    assert dataclasses.asdict(HelpOnDemandConfigManager().parse_args(list(args))) == \
+        dataclasses.asdict(ConfigManager().parse_args(list(args)))
+
+
 def test_upipe_section_from_toml_and_cli(tmp_path):
     path = write_toml(tmp_path, '[upipe]\nheads_per_stage = 4\nattention_backend = "sdpa"\n')
     assert parse_config(["--job.config_file", path]).upipe.heads_per_stage == 4

@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 from dist_utils import run_distributed
+from forked_ranks import python
 from trainer_utils import REPO
 
 from titan_upipe.attention import build_schedule
@@ -93,8 +94,7 @@ def emulated() -> dict[str, dict]:
     records = {first: _emulate_cli(first, first_world)}
     specs = [(config, world, ["--job.config_file", str(REPO / config), "--training.seq_len", str(SEQ_LEN)])
              for config, world in rest]
-    proc = subprocess.run([sys.executable, "-c", _MEASURE_FAKE, json.dumps(specs)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = python(_MEASURE_FAKE, json.dumps(specs), env=_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     return records
@@ -193,8 +193,7 @@ EXTRAPOLATED = [
 
 
 def test_two_block_extrapolation_matches_a_four_block_model():
-    proc = subprocess.run([sys.executable, "-c", _EXTRAPOLATE, json.dumps(EXTRAPOLATED)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = python(_EXTRAPOLATE, json.dumps(EXTRAPOLATED), env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, result in results.items():
@@ -322,8 +321,7 @@ def test_a_four_block_warm_step_is_the_two_block_extrapolation():
     once) against the 4-block model's warm step: medians over 3 interleaved rounds of 3 timed
     steps each, within the noise of those steps (2 x the relative median absolute deviations of
     all of them, at least 15 %: a shared 2-core machine)."""
-    proc = subprocess.run([sys.executable, "-c", _WARM_DEPTHS, "3", "4"], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = python(_WARM_DEPTHS, "3", "4", env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(proc.stdout.strip().splitlines()[-1])
     two, four = runs["2"], runs["4"]
@@ -369,8 +367,7 @@ def test_kernels_compiled_during_the_timed_steps_are_reported():
     from titan_upipe.tools.gpu_context import add_speed_context
     from titan_upipe.tools.gpu_reports import StageReport
 
-    proc = subprocess.run([sys.executable, "-c", _SABOTAGED_COMPILER], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = python(_SABOTAGED_COMPILER, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     record = result["record"]
@@ -432,8 +429,7 @@ def test_the_compile_pass_makes_every_kernel_call_of_the_step():
     prefixes differ only in the prefix's length, of which the pass makes one)."""
     configs = [("configs/debug/upipe.toml", 4), ("configs/debug/ulysses.toml", 4), ("configs/debug/usp.toml", 4),
                ("configs/debug/llama3_upipe_transforms.toml", 2), (TSP, 4)]
-    proc = subprocess.run([sys.executable, "-c", _KERNEL_CALLS, json.dumps(configs)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = python(_KERNEL_CALLS, json.dumps(configs), env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for config, calls in json.loads(proc.stdout.strip().splitlines()[-1]).items():
         made = {tuple(c[1:]) for c in calls if c[0] == "compile pass"}
@@ -571,8 +567,7 @@ print(json.dumps({"documents": m.documents, "calls": calls, "report": report_lin
 def test_block_causal_flavors_are_emulated_with_their_documents():
     """A block_causal flavor's step runs packed documents through the document-masked kernel (not
     plain causal attention), and the report says so."""
-    proc = subprocess.run([sys.executable, "-c", _DOCUMENTS], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = python(_DOCUMENTS, env=_env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["documents"] and "block_causal" in result["report"]

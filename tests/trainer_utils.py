@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import forked_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,17 +32,30 @@ of 2 sequences, whatever the data-parallel degree."""
 def torchrun(nproc: int, module: str, config: str, dump_folder: Path, *overrides: str,
              timeout: int = 600, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Launch ``module`` on ``nproc`` gloo ranks (``env`` added to the environment); raise with
-    the log tail if it fails (``check``; else return the failed launch as well)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", module, "--job.config_file", str(REPO / config),
-        "--job.dump_folder", str(dump_folder), *overrides,
-    ]
+    the log tail if it fails (``check``; else return the failed launch as well).
+
+    The ranks are forks of pre-imported processes (``forked_ranks``: torchrun's workers less their
+    imports) unless ``env`` or ``module`` needs a fresh start (``forked_ranks.forkable``); then
+    torchrun itself runs."""
+    args = ["--job.config_file", str(REPO / config), "--job.dump_folder", str(dump_folder), *overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", module, *args]
     env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if forked_ranks.forkable(module, env):
+        proc = forked_ranks.launch(nproc, module, args, env, REPO, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def rank_exit_codes(proc: subprocess.CompletedProcess) -> list[int]:
+    """The exit code of each failed rank of a launch: forked ranks report theirs, torchrun's agent
+    prints ``exitcode : N`` per failed rank."""
+    if isinstance(proc, forked_ranks.ForkedLaunch):
+        return [code for code in proc.rank_returncodes if code]
+    return [int(code) for code in re.findall(r"exitcode\s*: (-?\d+)", proc.stdout + proc.stderr)]
 
 
 def create_seed_checkpoint(config: str, dump_folder: Path, *overrides: str) -> Path:
@@ -75,7 +91,7 @@ def assert_losses_close(actual: list[float], expected: list[float], rtol: float)
         assert abs(a - e) <= rtol * abs(e), f"step {step}: loss {a} vs reference {e} (rtol {rtol})"
 
 
-COUNT_LAYOUTS = """
+COUNT_LAYOUTS = forked_ranks.SITE_AFTER_IMPORTS + """
 import atexit, os, sys
 from titan_upipe.parallel import cp_layout as _module
 
@@ -93,8 +109,10 @@ def _counted(self):
 
 
 _module.CPLayout.__post_init__ = _counted
-atexit.register(lambda: open(os.path.join(os.environ["TITAN_UPIPE_LAYOUT_COUNTS"], f"{os.getpid()}"), "w")
-                .write(str(_built[0])))
+# a rank's count under its rank; a launcher's own process (torchrun's agent) under its pid
+atexit.register(lambda: open(os.path.join(os.environ["TITAN_UPIPE_LAYOUT_COUNTS"],
+                                          f"rank{os.environ['RANK']}" if "RANK" in os.environ else f"pid{os.getpid()}"),
+                             "w").write(str(_built[0])))
 """
 
 
@@ -112,5 +130,8 @@ def counting_layouts(folder: Path) -> dict[str, str]:
 
 
 def layout_counts(folder: Path) -> list[int]:
-    """The ``CPLayout`` objects each process of the launch built, sorted (torchrun's own: 0)."""
-    return sorted(int(p.read_text()) for p in (folder / "counts").iterdir())
+    """The ``CPLayout`` objects each rank of the launch built, rank order (a launcher's own
+    process, which builds none, is not a rank)."""
+    ranks = sorted(folder.glob("counts/rank*"), key=lambda p: int(p.name.removeprefix("rank")))
+    assert not [p for p in folder.glob("counts/pid*") if p.read_text() != "0"], "the launcher built a layout"
+    return [int(p.read_text()) for p in ranks]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from titan_upipe.parallel.cp_layout import check_cp_degree, resolve_heads_per_stage
 
@@ -106,7 +107,14 @@ class HeadSchedule:
 
 def build_schedule(n_heads: int, n_kv_heads: int, cp_degree: int, heads_per_stage: int | None = None) -> HeadSchedule:
     """The GQA-aware stage schedule; ``heads_per_stage`` None/0 means U = C, U = H is plain Ulysses."""
-    u = resolve_heads_per_stage(n_heads, n_kv_heads, cp_degree, heads_per_stage)
+    return _verified_schedule(n_heads, n_kv_heads, cp_degree,
+                              resolve_heads_per_stage(n_heads, n_kv_heads, cp_degree, heads_per_stage))
+
+
+@lru_cache(maxsize=512)
+def _verified_schedule(n_heads: int, n_kv_heads: int, cp_degree: int, u: int) -> HeadSchedule:
+    # Memoized: a schedule is a frozen value of (H, KV, C, U), and the memory planner's length search
+    # asks for the same few hundreds of times per answer (each verification walks every head).
     n_rep = n_heads // n_kv_heads
     block = n_heads // cp_degree
     per_rank = u // cp_degree

@@ -148,19 +148,25 @@ def simulate_ring(W: Array, comm: float = 0.0, backward: bool = False) -> float:
     Backward adds the dK/dV exchange, posted after the compute and waited at the next step
     (so neighbours couple through their *finish* times), costing another ``comm``."""
     R = W.shape[0]
+    ranks = np.arange(R)
+    left, right = (ranks - 1) % R, (ranks + 1) % R  # x[left][r] = x[r-1]: np.roll(x, 1), ~10x cheaper
+
+    def after_neighbours(own: Array, posted: Array) -> Array:
+        return np.maximum(np.maximum(own, posted[left] + comm), posted[right] + comm)
+
     start = np.zeros(R)
     dkv_post = None
     finish = start
     for t in range(R):
         finish = start + W[:, t]
         if backward and dkv_post is not None:
-            finish = np.maximum.reduce([finish, np.roll(dkv_post, 1) + comm, np.roll(dkv_post, -1) + comm])
+            finish = after_neighbours(finish, dkv_post)
         if backward and R > 1:
             dkv_post = finish
         if t < R - 1:
-            start = np.maximum.reduce([finish, np.roll(start, 1) + comm, np.roll(start, -1) + comm])
+            start = after_neighbours(finish, start)
     if backward and dkv_post is not None:
-        finish = np.maximum.reduce([finish, np.roll(dkv_post, 1) + comm, np.roll(dkv_post, -1) + comm])
+        finish = after_neighbours(finish, dkv_post)
     return float(finish.max())
 
 
@@ -248,9 +254,11 @@ def document_zigzag_intervals(lengths: Sequence[int], ring_size: int, min_split:
     R = ring_size
     if seq_len % R:
         raise ValueError("seq_len must be divisible by ring_size")
-    owner_of_piece = np.concatenate([np.arange(R), np.arange(R)[::-1]])
+    # plain Python ints: a row of thousands of documents is dealt in a loop, where numpy scalars cost
+    # ten times as much
+    owner_of_piece = [*range(R), *reversed(range(R))]
     rows: list[tuple[int, int, int]] = []
-    room = np.full(R, seq_len // R, dtype=np.int64)
+    room = [seq_len // R] * R
     short: list[tuple[int, int]] = []
     next_extra = 0  # the ranks take the documents' leftover tokens in turn, across documents
     for d in range(len(bounds) - 1):
@@ -263,18 +271,20 @@ def document_zigzag_intervals(lengths: Sequence[int], ring_size: int, min_split:
         # more than one token and none exceeds S/R (a cut at n p / 2R could round up on one rank
         # document after document and overfill it)
         q, extra = divmod(b - a, 2 * R)
-        extras = np.zeros(R, dtype=np.int64)
+        extras = [0] * R
         for i in range(extra):
             extras[(next_extra + i) % R] += 1
         next_extra = (next_extra + extra) % R
-        sizes = q + np.where(np.arange(2 * R) < R, extras[owner_of_piece] >= 1, extras[owner_of_piece] == 2)
-        cut = a + np.concatenate([[0], np.cumsum(sizes)])
-        for p in range(2 * R):
-            rows.append((int(cut[p]), int(cut[p + 1]), int(owner_of_piece[p])))
-            room[owner_of_piece[p]] -= cut[p + 1] - cut[p]
-    if (room < 0).any():
+        cut = a
+        for p, o in enumerate(owner_of_piece):
+            size = q + int(extras[o] >= 1 if p < R else extras[o] == 2)
+            rows.append((cut, cut + size, o))
+            room[o] -= size
+            cut += size
+    if min(room) < 0:
         raise AssertionError("long documents overfill a rank")
     if greedy_fill and short:
+        free = np.array(room, dtype=np.int64)
         load = np.zeros(R)
         for row in rows:
             a, b, o = row
@@ -283,21 +293,22 @@ def document_zigzag_intervals(lengths: Sequence[int], ring_size: int, min_split:
         rest = []
         for i in np.argsort([a - b for a, b in short], kind="stable"):
             a, b = short[i]
-            fits = room >= b - a
+            fits = free >= b - a
             if not fits.any():
                 rest.append((a, b))
                 continue
             o = int(np.argmin(np.where(fits, load, np.inf)))
             rows.append((a, b, o))
-            room[o] -= b - a
+            free[o] -= b - a
             load[o] += (b - a) * (b - a + 1) / 2
         short = sorted(rest)
+        room = free.tolist()
     r = 0
     for a, b in short:
         while a < b:
             while room[r] == 0:
                 r += 1
-            take = min(b - a, int(room[r]))
+            take = min(b - a, room[r])
             rows.append((a, a + take, r))
             room[r] -= take
             a += take

@@ -208,6 +208,10 @@ class Term(Enum):
     def label(self) -> str:
         return self.value
 
+    # Members are singletons compared by identity, so identity hashing is Enum's equality; Enum's
+    # own __hash__ (a Python call hashing the name) was a tenth of a planner answer.
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True)
 class Counted:
@@ -233,7 +237,12 @@ def from_memory_model(prefix: str, terms: dict[str, int], drop: tuple[Term, ...]
     return {term: value for term, value in keyed.items() if term not in drop}
 
 
+_LABEL_OF_TERM = {term: term.value for term in Term}
+"""Each Term's label, looked up once: the length search labels some 100,000 terms per answer."""
+
+
 def labelled(terms: Terms, prefix: str = "") -> dict[str, int]:
     """``{label: bytes}`` for a Moment, each label after ``prefix: `` when one is given."""
     head = f"{prefix}: " if prefix else ""
-    return {f"{head}{key.label}": value for key, value in terms.items()}
+    return {f"{head}{_LABEL_OF_TERM[key] if key.__class__ is Term else key.label}": value
+            for key, value in terms.items()}
