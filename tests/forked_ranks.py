@@ -266,8 +266,17 @@ def launch(nproc: int, module: str, args: list[str], env: dict[str, str], cwd: P
 
 def run_python(code: str, argvs: list[list[str]], env: dict[str, str], cwd: Path,
                timeout: float) -> list[subprocess.CompletedProcess]:
-    """``python -c code *argv`` for each of ``argvs``, at once, each in a fork of its own parent, with
-    ``env`` (full; ``forkable(None, env)``); one result per run, as ``subprocess.run`` gives."""
+    """``python -c code *argv`` for each of ``argvs``, at once, with ``env`` (full); one result per run,
+    as ``subprocess.run(..., capture_output=True, text=True)`` gives. Each in a fork of its own parent
+    where ``forkable(None, env)``, else in fresh processes."""
+    if not forkable(None, env):
+        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], cwd=cwd, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in argvs]
+        runs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return runs
     with tempfile.TemporaryDirectory(prefix="forked_python_") as folder:
         requests = [{"code": code, "args": list(argv), "cwd": str(cwd), "paths": _added_paths(env), "env": dict(env)}
                     for argv in argvs]
@@ -277,12 +286,8 @@ def run_python(code: str, argvs: list[list[str]], env: dict[str, str], cwd: Path
 
 
 def python(code: str, *argv: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """``python -c code *argv`` as ``subprocess.run(..., capture_output=True, text=True)`` gives it:
-    forked (``run_python``) where ``forkable(None, env)``, else a fresh process."""
-    if forkable(None, env):
-        return run_python(code, [list(argv)], env, cwd, timeout)[0]
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    """``python -c code *argv``: one ``run_python``."""
+    return run_python(code, [list(argv)], env, cwd, timeout)[0]
 
 
 def _run(requests: list[dict], folder: Path, timeout: float, stop_on_failure: bool) -> tuple[list[int], list[str], list[str]]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import forked_ranks
@@ -49,16 +47,8 @@ def run_split(code: str, specs: list, env: dict[str, str], processes: int = 2, t
         loads[p] += costs[i] if costs else 1
     shares = [share for share in shares if share]
     argvs = [[json.dumps([specs[i] for i in share])] for share in shares]
-    env = {**env, "OMP_NUM_THREADS": "1"}
-    if forked_ranks.forkable(None, env):  # forks of pre-imported processes: the same runs, less the imports
-        runs = forked_ranks.run_python(code, argvs, env, REPO, timeout)
-    else:
-        procs = [subprocess.Popen([sys.executable, "-c", code, *argv], cwd=REPO, text=True, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for argv in argvs]
-        runs = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    # forks of pre-imported processes where they run as fresh ones would: the same runs, less the imports
+    runs = forked_ranks.run_python(code, argvs, {**env, "OMP_NUM_THREADS": "1"}, REPO, timeout)
     results = [None] * len(specs)
     for run, share in zip(runs, shares, strict=True):
         assert run.returncode == 0, run.stderr[-4000:]

@@ -167,14 +167,20 @@ def test_a_diverging_learning_rate_stops_the_job_in_one_line(tmp_path):
     assert read_scalars(out)[NONFINITE_TAG] == [(1, 0.0), (2, 1.0)]
 
 
-def test_skip_step_drops_the_nonfinite_update_and_trains_on(tmp_path):
+def _nan_at_step_2(tmp_path, action: str) -> tuple[str, dict]:
+    """A 2-rank run whose loss is NaN at step 2 under ``training.on_nonfinite = action``: its console
+    output and TensorBoard scalars."""
     overrides, env = _with_nan_at_step(tmp_path, 2)
     out = tmp_path / "run"
     proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, *SHORT_RUN, *overrides,
-                    "--training.on_nonfinite", "skip_step", env=env)
+                    "--training.on_nonfinite", action, env=env)
+    return proc.stdout + proc.stderr, read_scalars(out)
+
+
+def test_skip_step_drops_the_nonfinite_update_and_trains_on(tmp_path):
+    output, scalars = _nan_at_step_2(tmp_path, "skip_step")
     assert ('step 2: the loss is nan and the gradient norm is nan: its update is skipped (training.on_nonfinite = '
-            '"skip_step"; 1 non-finite step(s) so far)') in proc.stdout + proc.stderr
-    scalars = read_scalars(out)
+            '"skip_step"; 1 non-finite step(s) so far)') in output
     loss = dict(scalars["loss_metrics/global_avg_loss"])
     assert math.isnan(loss[2]) and math.isfinite(loss[1]) and math.isfinite(loss[3]), loss
     assert scalars[NONFINITE_TAG] == [(1, 0.0), (2, 1.0), (3, 1.0)]
@@ -183,13 +189,9 @@ def test_skip_step_drops_the_nonfinite_update_and_trains_on(tmp_path):
 
 
 def test_warn_applies_the_update_as_torchtitan_does(tmp_path):
-    overrides, env = _with_nan_at_step(tmp_path, 2)
-    out = tmp_path / "run"
-    proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, *SHORT_RUN, *overrides,
-                    "--training.on_nonfinite", "warn", env=env)
+    output, scalars = _nan_at_step_2(tmp_path, "warn")
     assert ('step 2: the loss is nan and the gradient norm is nan: its update is applied (training.on_nonfinite = '
-            '"warn")') in proc.stdout + proc.stderr
-    scalars = read_scalars(out)
+            '"warn")') in output
     loss = dict(scalars["loss_metrics/global_avg_loss"])
     assert math.isfinite(loss[1]) and math.isnan(loss[2]) and math.isnan(loss[3]), loss  # NaN weights from step 2
     assert scalars[NONFINITE_TAG] == [(1, 0.0), (2, 1.0), (3, 2.0)]
