@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
 
 MODES = ("ulysses", "upipe", "ring", "usp", "upipe_usp", "local")
 
@@ -338,7 +338,7 @@ def _peak_forward_no_grad(run, inputs, device) -> int:
             run(*inputs)
             _sync(device)
             return torch.cuda.max_memory_allocated(device) - base
-        from titan_upipe.tools.memory_tracker import LiveTensorTracker
+        from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
         with LiveTensorTracker() as mem:
             run(*inputs)
@@ -359,7 +359,7 @@ def _peak_step(run, inputs, grad_y, device) -> tuple[int, int]:
         y.backward(grad_y)
         _sync(device)
         return fwd, torch.cuda.max_memory_allocated(device) - base_bwd + (base_bwd - base)
-    from titan_upipe.tools.memory_tracker import LiveTensorTracker
+    from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
     with LiveTensorTracker() as mem:
         y = run(*inputs)
@@ -437,7 +437,7 @@ def _document_masks(args: argparse.Namespace, device: torch.device, mesh=None) -
     ``--no-causal``, and with ``--documents`` the mask of ``document_ids``, with its segments computed
     (once per mask in training too: every layer reads the same mask): on a ring ``mesh`` one per
     ``--document-balance``, otherwise one (balance None: the layout is the mesh's own)."""
-    from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.document_mask import document_mask
     from titan_upipe.parallel.mesh import mesh_degrees
 
     out: list[tuple[str | None, object]] = [] if args.no_causal else [(None, None)]
@@ -454,7 +454,7 @@ def _document_masks(args: argparse.Namespace, device: torch.device, mesh=None) -
 
 def _ring_layout(args: argparse.Namespace, mesh, balance: str, mask) -> RingLayout:
     """The ring runs ``mask`` lays the batch out in on ``mesh``, and the time to build such a mask."""
-    from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.document_mask import document_mask
     from titan_upipe.parallel.mesh import mesh_degrees
 
     ring, ulysses = mesh_degrees(mesh)
@@ -480,6 +480,9 @@ def bench_rank(args: argparse.Namespace, mesh, device: torch.device) -> tuple[li
     """Every variant's rows (the slowest rank's time, the largest peaks) and the layouts the ring
     variants' documents rows ran on."""
     from titan_upipe.attention import convert_attention
+    from titan_upipe.torchtitan_0_2.model_classes import register_model_classes
+
+    register_model_classes()  # the core converts registered model families only (TorchTitan's Llama3, Qwen3)
     from titan_upipe.costs.attention_memory import (
         LayerShape,
         paper_table2_peak,

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_upipe.attention.projection import RotaryKind, rotate, rotate_  # noqa: E402
-from titan_upipe.tools.memory_tracker import LiveTensorTracker, mib  # noqa: E402
+from titan_upipe.toolkit.memory_tracker import LiveTensorTracker, mib  # noqa: E402
+from titan_upipe.torchtitan_0_2.model_classes import register_model_classes  # noqa: E402
 from titan_upipe.transforms.fused_ce import FusedCrossEntropyHead  # noqa: E402
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac  # noqa: E402
 from titan_upipe.transforms.rope import inverse_frequencies, table_for_positions  # noqa: E402
@@ -188,6 +189,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    register_model_classes()  # the core converts registered model families only (TorchTitan's Llama3, Qwen3)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = run(args)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"

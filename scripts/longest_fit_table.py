@@ -88,8 +88,8 @@ def cluster_rows() -> list[str]:
 
 def paper_rows() -> list[str]:
     """The longest length each method ran in the paper's Table 4 (the next one: OOM, or not run)."""
-    from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, OOM
-    from titan_upipe.tools.paper_tables import paper_rows as csv_rows
+    from titan_upipe.resources.paper_tables import LENGTH_COLUMNS, OOM
+    from titan_upipe.resources.paper_tables import paper_rows as csv_rows
 
     rows = ["| measured | model | GPUs | longest that ran (peak GiB per GPU) | next length |", "|---|---|---|---|---|"]
     table4 = [row for row in csv_rows() if row["table"] == "4" and row["method"] in PAPER_METHODS]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-from titan_upipe.attention.schedule import build_schedule
 from titan_upipe.costs.attention_comm import attention_comm_bytes
 from titan_upipe.costs.tsp_comm import layer_comm_bytes, paper_layer_comm_bytes
 from titan_upipe.plan import GIB, PlanInput, Term, as_tsp, model_dims, parse_length, plan
+from titan_upipe.spec.head_schedule import build_schedule
 from titan_upipe.tsp import TSPShards
 
 D, BETA = 8, 2

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_upipe.torchtitan_0_2.model_classes import register_model_classes
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -38,6 +40,7 @@ def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any) -> N
     try:
         os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
         torch.set_num_threads(1)
+        register_model_classes()  # the core's model families, as register_plugin() registers them
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         from torch.distributed.device_mesh import init_device_mesh
 

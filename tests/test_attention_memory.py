@@ -74,7 +74,7 @@ def measure_layer(rank: int, world: int, mesh) -> dict[tuple[str, str, int | Non
 
     from titan_upipe.attention import convert_attention
     from titan_upipe.parallel import shard_sequence
-    from titan_upipe.tools.memory_tracker import LiveTensorTracker
+    from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
     results = {}
     for layout, (n_heads, n_kv) in LAYOUTS.items():

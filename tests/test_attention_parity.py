@@ -222,7 +222,7 @@ def run_case(case: Case, mesh, seed: int) -> dict[str, float]:
 
     masks = None
     if case.documents:
-        from titan_upipe.attention.documents import document_mask
+        from titan_upipe.parallel.document_mask import document_mask
 
         ids = document_ids(case.batch, case.seq_len)
         ref = document_reference(module, x, table, ids, grad_y)

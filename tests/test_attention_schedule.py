@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from titan_upipe.attention.schedule import HeadSchedule, ScheduleError, Stage, build_schedule, verify_schedule
-from titan_upipe.parallel.cp_layout import valid_cp_degrees, valid_heads_per_stage
+from titan_upipe.spec.cp_layout import valid_cp_degrees, valid_heads_per_stage
+from titan_upipe.spec.head_schedule import HeadSchedule, ScheduleError, Stage, build_schedule, verify_schedule
 
 
 def test_figure_4_example() -> None:

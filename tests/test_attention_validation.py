@@ -122,7 +122,7 @@ def test_a_context_parallel_attention_built_as_tsp_does_not_run() -> None:
     """Built by hand under tsp's name, the plain module refuses its first forward instead of running
     UPipe; TSPAttention (its own forward) is the only thing that runs as tsp."""
     from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
-    from titan_upipe.attention.schedule import build_schedule
+    from titan_upipe.spec.head_schedule import build_schedule
 
     source = llama3()
     layer = ContextParallelAttention(source, AttentionSpec.of(source), "tsp", NoCommMesh(1), build_schedule(8, 2, 1, 8),
@@ -168,7 +168,7 @@ def test_other_masks_rejected_before_communication(mode: str) -> None:
     layer = convert_attention(qwen3(), mode, NoCommMesh(2))
     with pytest.raises(ConfigError, match="attention_masks from titan_upipe.attention.document_mask"):
         layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=object())
-    from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.document_mask import document_mask
 
     with pytest.raises(ConfigError, match="covers 6 tokens but the sequence has 8"):
         layer(torch.zeros(1, 4, 32), precompute_rope_cache(16, 8), attention_masks=document_mask(torch.zeros(1, 6, dtype=torch.long)))
@@ -290,7 +290,7 @@ def test_upipe_second_backward_raises() -> None:
 def test_a_document_layout_for_another_ring_is_rejected_before_communication() -> None:
     """A mask laid out (``document_balance = "documents"``) for another ring or Ulysses degree than the
     attention's mesh, or a balanced mask asked for without a mesh, is one ConfigError naming the fix."""
-    from titan_upipe.attention.documents import DocumentMask, document_mask
+    from titan_upipe.parallel.document_mask import DocumentMask, document_mask
 
     ids = torch.zeros(1, 16, dtype=torch.long)
     ids[0, 5:] = 1

@@ -206,7 +206,7 @@ def _measured_tables(doc: str) -> tuple[list[list[str]], list[list[str]]]:
 def test_the_measured_sections_computed_numbers_are_the_benchs(bench):
     """The computed columns beside the CPU times: ``ring_balance`` of the bench's batch (S = 16384,
     seed 0, min_split 1024) on the layout each row ran, with 2 shared cores."""
-    from titan_upipe.attention.documents import DocumentMask
+    from titan_upipe.parallel.document_mask import DocumentMask
 
     doc = DOC.read_text()
     prose = " ".join(doc.split())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_upipe.attention.documents import document_mask
+from titan_upipe.parallel.document_mask import document_mask
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
 

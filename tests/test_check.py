@@ -152,7 +152,7 @@ def test_parity_check_with_packed_documents():
 
 
 def test_packed_document_tokens_and_runs():
-    from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
+    from titan_upipe.toolkit.packed_documents import document_runs, packed_document_tokens
 
     tokens = packed_document_tokens(torch.zeros(2, 12, dtype=torch.long), eos_id=9)
     # EOS at 0, S/3 + b, S/3 + b + 1, 2S/3 + 1 - b: each ends its document

@@ -3,7 +3,7 @@
 import pytest
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
+from titan_upipe.spec.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
 
 LLAMA3_8B_HEADS = {"n_heads": 32, "n_kv_heads": 8}
 

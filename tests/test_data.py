@@ -4,8 +4,9 @@ import numpy as np
 import torch
 
 from titan_upipe.data import tokenizer as vocab
-from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.synthetic import SAMPLES, SyntheticCopyStream, copy_sample, copy_text, docs_sample
+from titan_upipe.torchtitan_0_2.data_loader import GlobalBatchLoader
+from titan_upipe.torchtitan_0_2.datasets import build_embedded_tokenizer
 
 
 def test_copy_sample_is_deterministic_and_repeats_its_segment():
@@ -31,7 +32,7 @@ def test_loader_yields_shifted_input_label_pairs_and_resumes():
 
 
 def test_embedded_tokenizer_round_trips_through_torchtitan():
-    tok = vocab.build_embedded_tokenizer()
+    tok = build_embedded_tokenizer()
     assert tok.get_vocab_size() == vocab.VOCAB_SIZE
     text = copy_text(3, 64)
     ids = tok.encode(text, add_bos=True, add_eos=False)
@@ -43,7 +44,7 @@ def test_synthetic_copy_is_a_registered_torchtitan_dataset():
     from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
 
     assert "synthetic_copy" in DATASETS
-    ds = HuggingFaceTextDataset("synthetic_copy", None, vocab.build_embedded_tokenizer(), seq_len=128)
+    ds = HuggingFaceTextDataset("synthetic_copy", None, build_embedded_tokenizer(), seq_len=128)
     inputs, labels = next(iter(ds))
     assert inputs["input"].shape == labels.shape == (128,)
     assert torch.equal(inputs["input"], torch.from_numpy(copy_sample(0, 2048)[:128]))
@@ -106,7 +107,7 @@ def test_docs_loss_depends_on_the_document_mask():
     import torch.nn.functional as F
     from torchtitan.models.llama3.model.model import Transformer
 
-    from titan_upipe.tools.packed_documents import document_runs
+    from titan_upipe.toolkit.packed_documents import document_runs
     from titan_upipe.tools.parity import reference_prediction
     from titan_upipe.torchtitan_0_2.flavors import model_flavors
 

@@ -298,7 +298,7 @@ def test_planner_doc_holds_the_longest_fit_tables(longest_fit_tables):
 def test_planner_doc_measured_rows_are_the_papers(longest_fit_tables):
     """The paper's rows against ``paper_tables.csv`` read cell by cell (Table 4): the longest length
     with a number, its GiB, and the next length's cell (OOM, empty, or past the table)."""
-    from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, paper_value
+    from titan_upipe.resources.paper_tables import LENGTH_COLUMNS, paper_value
 
     rows = [r for r in _rows(longest_fit_tables[1]) if r[0].startswith("paper Table 4")]
     assert len(rows) == 8
@@ -314,7 +314,7 @@ def test_planner_doc_measured_rows_are_the_papers(longest_fit_tables):
         if later:
             assert following.startswith(later[0])
             # paper_value: None for OOM and for an empty cell alike; the CSV tells them apart
-            from titan_upipe.tools.paper_tables import paper_rows
+            from titan_upipe.resources.paper_tables import paper_rows
 
             cell = next(r[later[0]] for r in paper_rows()
                         if (r["table"], r["model"], r["method"]) == ("4", model, method))

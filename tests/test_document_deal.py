@@ -22,7 +22,8 @@ from plan_jobs import REPO
 
 from titan_upipe.costs.document_balance import split_threshold, step_work, zigzag_intervals
 from titan_upipe.costs.document_mixes import make_batch
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, BatchDocumentLayout
+from titan_upipe.parallel.document_layout import BatchDocumentLayout
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 BOUND, WHERE = 1.05, 1.2
 

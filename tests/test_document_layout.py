@@ -122,7 +122,7 @@ def test_the_trainers_ring_work_scalars_are_the_masks_own_count(ring):
     closed form per document segment) against a brute-force count over the ``S x S`` mask, under the
     fixed zigzag and under the document layout, for a batch of two rows with EOS at random places."""
     from titan_upipe.costs.document_balance import split_threshold
-    from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
+    from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
     from titan_upipe.torchtitan_0_2.cp_inputs import RING_WORK_TAGS, batch_ring_work
 
     torch.manual_seed(ring)
@@ -154,7 +154,8 @@ def test_the_jobs_layout_splits_from_a_quarter_of_a_ring_ranks_share():
         step_work,
         zigzag_intervals,
     )
-    from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, BatchDocumentLayout
+    from titan_upipe.parallel.document_layout import BatchDocumentLayout
+    from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
     assert split_threshold(1 << 17, 16, DEFAULT_MIN_SPLIT) == 4096  # S/(4R) = 2048 < the floor 2 x 16 x 128
     assert split_threshold(1 << 17, 4, DEFAULT_MIN_SPLIT) == 8192  # S/(4R)

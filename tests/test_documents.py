@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from titan_upipe.attention.documents import (
-    DocumentMask,
     masked_backward,
     masked_forward,
     segmented_causal_backward,
@@ -15,6 +14,7 @@ from titan_upipe.attention.documents import (
 from titan_upipe.attention.ring import merge_partial
 from titan_upipe.attention.ring_plan import BlockKind, causal_block_kind
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.parallel.layout import ContiguousLayout, ZigzagLayout
 
 EOS = 9
@@ -310,7 +310,7 @@ class _Mesh:
 
 
 def test_document_mask_checks_the_layout_and_masks_their_length():
-    from titan_upipe.attention.documents import check_attention_masks, document_mask
+    from titan_upipe.parallel.document_mask import check_attention_masks, document_mask
 
     ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])
     assert document_mask(ids, _Mesh("cp")).seq_len == 8
@@ -405,7 +405,8 @@ def test_document_ring_plan_fails_on_a_wrong_layout():
 
 def test_document_ring_plan_skips_blocks_with_no_visible_key():
     """Two documents, each within one ring rank's chunks, at R = 2: no rectangle crosses them."""
-    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls, zigzag_ring_runs
+    from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
+    from titan_upipe.parallel.document_deal import zigzag_ring_runs
 
     documents = [[(0, 4), (4, 8)]]  # chunks of 2 tokens: rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
     runs = [zigzag_ring_runs(8, 2)]
@@ -434,7 +435,7 @@ def test_document_ring_plan_of_the_docstring_layout():
 def test_segment_tables_are_built_once_per_mask_and_device():
     """Every layer and stage of a step reads the same block segments: their table (and its varlen
     cu_seqlens on the device) is built once per mask, not once per kernel call."""
-    from titan_upipe.attention.documents import check_attention_masks, document_mask
+    from titan_upipe.parallel.document_mask import check_attention_masks, document_mask
 
     mask = document_mask(torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1]]))
     table = mask.table(mask.document_segments)
@@ -451,7 +452,7 @@ def test_fsdp_input_casting_passes_the_mask_through_unchanged():
     dataclasses: the mask must reach every layer as the same object, its per-step caches intact."""
     from torch.distributed.utils import _apply_to_tensors
 
-    from titan_upipe.attention.documents import document_mask
+    from titan_upipe.parallel.document_mask import document_mask
 
     mask = document_mask(torch.tensor([[0, 0, 1, 1]]))
     segments = mask.document_segments

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from titan_upipe.attention import kernel_speed
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, SdpaBackend
+from titan_upipe.costs import kernel_speed
 from titan_upipe.tools import gpu_attention, gpu_queue, gpu_suite
 
 H100, H100_PCIE, H200, A100 = ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_upipe.attention import kernel_speed
 from titan_upipe.attention.backends import AUTO_ORDER
+from titan_upipe.costs import kernel_speed
 from titan_upipe.tools import compile_caches, gpu_queue, gpu_runs, gpu_suite
 
 REPO = Path(__file__).resolve().parents[1]

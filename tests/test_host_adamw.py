@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from titan_upipe.optim.host_adamw import HostStateAdamW, host_state_bytes, work_buffer_bytes
-from titan_upipe.tools.memory_tracker import LiveTensorTracker
+from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
 IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 
@@ -312,7 +312,7 @@ def test_planner_moves_the_moments_to_the_host(model, spec, flavor, cp, ulysses,
     from titan_upipe.plan.models import model_dims
     from titan_upipe.plan.step import plan
     from titan_upipe.plan.terms import Term
-    from titan_upipe.plan.units import pow2_ceil
+    from titan_upipe.spec.units import pow2_ceil
 
     dims = model_dims(model)
     shards = _meta_shards(spec, flavor, cp)

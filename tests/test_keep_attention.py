@@ -23,7 +23,8 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from titan_upipe.attention.keep import KeepAttentionPlan, KeptAttention, kept_attention_bytes
+from titan_upipe.attention.keep import KeptAttention
+from titan_upipe.spec.keep_attention import KeepAttentionPlan, kept_attention_bytes
 
 SEQ = 64
 BATCH = 2

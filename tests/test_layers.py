@@ -19,9 +19,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "resources", "parallel", "attention", "transforms", "tsp", "optim", "costs", "contracts"),
+    "core": ("errors", "resources", "spec", "parallel", "attention", "transforms", "tsp", "optim", "costs",
+             "contracts"),
     "glue": ("torchtitan_0_2", "data", "plugin", "config"),
-    "tools": ("tools", "plan", "emulate", "train", "validate", "check", "gpu_suite"),
+    "tools": ("toolkit", "tools", "plan", "emulate", "train", "validate", "check", "gpu_suite"),
 }
 """Folders (and the root's few modules) by layer: ``errors`` is the error type; ``plugin`` and
 ``config`` are TorchTitan's entry points (``custom_import``, ``custom_config_module``); ``train``,
@@ -31,8 +32,23 @@ MAX_ROOT_MODULES = 12
 ORDER = {"core": 0, "glue": 1, "tools": 2}
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-CORE_TORCHTITAN = "torchtitan.models"
-"""The only TorchTitan the core may import: the model classes it converts."""
+PURE_FOLDERS = ("spec", "costs")
+"""Folders of arithmetic alone: they import neither torch nor TorchTitan (the planner reads them)."""
+ADAPTER = "torchtitan_0_2"
+TORCHTITAN_OUTSIDE_ADAPTER: set[str] = set()
+"""Modules outside the adapter allowed to import TorchTitan: none (issue 43 moved the last behind it).
+A module on it that no longer imports TorchTitan is reported, so the set cannot go stale."""
+LAYOUT_BUILDERS = {
+    "titan_upipe.spec.cp_layout": "the search over candidate layouts (layout_problem: a degree to suggest)",
+    "titan_upipe.spec.job_spec": "JobSpec.layout: the job's one layout",
+    "titan_upipe.plan.job": "the planner's layout of a PlanInput (it plans jobs that have no JobSpec: --model)",
+    "titan_upipe.torchtitan_0_2.checks.parallelism": "cp_layout: the adapter's layout of a JobConfig, which the "
+                                                     "converters read until they take the JobSpec",
+}
+"""The only modules that construct a ``CPLayout``, and why: everything else reads one it was given."""
+ENTRY_MODULE = "__main__"
+"""``-m`` entry modules may defer their command's import to after ``--help`` (a function-level import;
+the graph still counts it, so it cannot hide a cycle)."""
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -118,6 +134,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the package's folders (and root modules): ``a -> b`` where a module
+    of ``a`` imports one of ``b``."""
+    def folder(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    folders: dict[str, set[str]] = {folder(m): set() for m in graph}
+    for module, targets in graph.items():
+        folders[folder(module)] |= {folder(t) for t in targets if folder(t) != folder(module)}
+    return folders
+
+
 def layer_violations(root: Path = PACKAGE) -> list[str]:
     """Every broken rule, one line each (empty: the package has the shape the docs describe)."""
     graph, external, trees = package_graph(root)
@@ -130,12 +158,24 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
             continue
         problems += [f"{module} ({layer}) imports {t} ({layer_of(t)}): imports must point down"
                      for t in sorted(targets) if layer_of(t) and ORDER[layer_of(t)] > ORDER[layer]]
-        if layer == "core":
-            problems += [f"{module} (core) imports {t}: the core may import only {CORE_TORCHTITAN} of TorchTitan"
-                         for t in external[module] if t.startswith("torchtitan") and not t.startswith(CORE_TORCHTITAN)]
+    problems += [f"folder import cycle: {' <-> '.join(c)}" for c in cycles(folder_graph(graph))]
+    for module, targets in sorted(external.items()):
+        folder = module.split(".")[1] if "." in module else ""
+        if folder in PURE_FOLDERS:
+            problems += [f"{module} ({folder}: arithmetic) imports {t}" for t in targets
+                         if t.split(".")[0] in ("torch", "torchtitan")]
+        if module in TORCHTITAN_OUTSIDE_ADAPTER and not any(t.split(".")[0] == "torchtitan" for t in targets):
+            problems.append(f"{module} imports no TorchTitan any more: take it off TORCHTITAN_OUTSIDE_ADAPTER")
+        if folder != ADAPTER and module not in TORCHTITAN_OUTSIDE_ADAPTER:
+            problems += [f"{module} imports {t}: TorchTitan is imported in {ADAPTER}/ only" for t in targets
+                         if t.split(".")[0] == "torchtitan"]
     for module, tree in sorted(trees.items()):
-        problems += [f"{module}: imports {t} inside a function" for t, lazy in
-                     _imports(tree, module, False) if lazy and t.startswith(root.name)]
+        if module not in LAYOUT_BUILDERS:
+            problems += [f"{module}:{node.lineno} constructs a CPLayout: read the job's (JobSpec.layout) instead"
+                         for node in ast.walk(tree) if isinstance(node, ast.Call)
+                         and getattr(node.func, "id", getattr(node.func, "attr", None)) == "CPLayout"]
+        problems += [f"{module}: imports {t} inside a function" for t, lazy in _imports(tree, module, False)
+                     if lazy and t.startswith(root.name) and not module.endswith(ENTRY_MODULE)]
         path = root.parent.joinpath(*module.split("."))
         source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
         if (n := len(source.read_text().splitlines())) > MAX_MODULE_LINES:
@@ -179,9 +219,17 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
         ("titan_upipe.torchtitan_0_2.flavors", "\n\ndef _late():\n    from titan_upipe.torchtitan_0_2 import checks\n",
          "import cycle"),
         ("titan_upipe.attention.ring", "\nfrom titan_upipe import config\n", "imports must point down"),
-        ("titan_upipe.transforms.tiling", "\nimport torchtitan.tools.logging\n", "the core may import only"),
+        ("titan_upipe.transforms.tiling", "\nimport torchtitan.models.llama3\n", "imported in torchtitan_0_2/ only"),
         ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
         ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
+        # a folder-level circle without a module cycle (what attention <-> parallel was before issue 43)
+        ("titan_upipe.parallel.document_deal", "\nfrom titan_upipe.attention.collectives import all_to_all\n",
+         "folder import cycle"),
+        ("titan_upipe.spec.units", "\nimport torch\n", "(spec: arithmetic) imports torch"),
+        ("titan_upipe.costs.attention_comm", "\nimport torch\n", "(costs: arithmetic) imports torch"),
+        ("titan_upipe.plan.search", "\nimport torchtitan.tools.logging\n", "imported in torchtitan_0_2/ only"),
+        ("titan_upipe.data.packing", "\nimport torchtitan\n", "imported in torchtitan_0_2/ only"),
+        ("titan_upipe.torchtitan_0_2.converters", "\n\ndef _own():\n    return CPLayout(None)\n", "constructs a CPLayout"),
     ],
 )
 def test_each_rule_catches_its_breakage(tmp_path, module, code, expected):

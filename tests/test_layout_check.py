@@ -45,7 +45,7 @@ def test_a_batch_in_its_document_layout_is_checked_row_by_row():
     """With the mask's document-aware layout (document_balance = "documents") the check compares the
     whole [B, S/C] positions with the batch's own layout: the fixed zigzag's shards, a row of
     another batch's layout, or [S/C] positions are refused; the layout's own pass."""
-    from titan_upipe.attention.documents import DocumentMask
+    from titan_upipe.parallel.document_mask import DocumentMask
     from titan_upipe.parallel.inputs import prepare_cp_batch
 
     mesh = RingMesh()

@@ -10,7 +10,6 @@ import pytest
 import torch
 from text_assets import write_corpus, write_tokenizer
 
-from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.local_text import (
     LocalTextStream,
     check_first_records,
@@ -20,6 +19,7 @@ from titan_upipe.data.local_text import (
 from titan_upipe.data.packing import Cursor, Document, pack
 from titan_upipe.data.synthetic import SyntheticCopyStream, copy_sample
 from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_2.data_loader import GlobalBatchLoader
 
 SEQ = 48
 

@@ -23,7 +23,7 @@ from titan_upipe.emulate.measure import measure_step
 from titan_upipe.plan import guard
 from titan_upipe.plan.guard import MemoryDoesNotFit, check_memory_fits, memory_problem, target_machine
 from titan_upipe.plan.job_config import MachineMemory
-from titan_upipe.plan.units import GIB
+from titan_upipe.spec.units import GIB
 from titan_upipe.tools import parity
 from titan_upipe.torchtitan_0_2 import launch as train
 from titan_upipe.torchtitan_0_2.config_parse import parse_config

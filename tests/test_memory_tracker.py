@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from titan_upipe.tools.memory_tracker import LiveTensorTracker
+from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
 F32 = 4
 

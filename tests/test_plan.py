@@ -20,7 +20,10 @@ import pytest
 from plan_jobs import GIB, LLAMA, REPO, emulated_peaks, gpu_job
 
 from titan_upipe import plan as P
-from titan_upipe.parallel.cp_layout import valid_heads_per_stage
+from titan_upipe.plan.cli import main as plan_main
+from titan_upipe.plan.job_config import plan_from_job_config
+from titan_upipe.spec.cp_layout import valid_heads_per_stage
+from titan_upipe.torchtitan_0_2.flavors import model_dims_from_args
 
 
 def test_lengths_parse_like_the_configs():
@@ -39,7 +42,7 @@ def test_known_models_match_torchtitan_flavors():
 
     for name, (spec, flavor) in P.MODEL_FLAVORS.items():
         args = get_train_spec(spec).model_args[flavor]
-        assert P.model_dims_from_args(name, args) == P.KNOWN_MODELS[name], name
+        assert model_dims_from_args(name, args) == P.KNOWN_MODELS[name], name
     assert LLAMA.ffn_dim == 14336
     assert abs(LLAMA.total_params - 8.03e9) < 0.01e9  # Llama3-8B
 
@@ -195,7 +198,7 @@ def test_cli_json_in_a_subprocess():
     ("configs/debug/upipe.toml", "4", "upipe"),
 ])
 def test_cli_reads_a_job_config(capsys, config, world, mode):
-    assert P.main(["--job.config_file", str(REPO / config), "--world-size", world, "--gpu-mem", "80",
+    assert plan_main(["--job.config_file", str(REPO / config), "--world-size", world, "--gpu-mem", "80",
                    "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["mode"] == mode and info["world_size"] == int(world)
@@ -207,7 +210,7 @@ def test_cli_reads_a_job_config(capsys, config, world, mode):
         # the recipe's "auto", planned as what it resolves to on the target GPUs with the [gpu] extra
         assert info["job"]["attention_backend"] == P.PLAN_AUTO_BACKEND == "flash_attn4" and info["job"]["tiled_mlp"]
     # human-readable form and overrides
-    assert P.main(["--job.config_file", str(REPO / config), "--world-size", world,
+    assert plan_main(["--job.config_file", str(REPO / config), "--world-size", world,
                    "--training.seq_len", "4096"]) == 0
     text = capsys.readouterr().out
     assert "peak" in text and "4K (4096)" in text
@@ -215,7 +218,7 @@ def test_cli_reads_a_job_config(capsys, config, world, mode):
 
 def test_plot_is_written(tmp_path, capsys):
     out = tmp_path / "planner.png"
-    assert P.main(["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--gpu-mem", "80",
+    assert plan_main(["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--gpu-mem", "80",
                    "--host-mem", "1900", "--plot", str(out)]) == 0
     assert out.exists() and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = P.paper_table4("llama3_8b")  # titan_upipe/resources/paper_tables.csv, inside the repository
@@ -270,7 +273,7 @@ def test_prediction_within_10_percent_of_the_emulated_rank():
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     for (args, world), got in zip(CASES, measured, strict=True):
-        result = P.plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
+        result = plan_from_job_config(parse_config([a if not a.startswith("configs/") else str(REPO / a)
                                                       for a in args]), world, device="cpu")
         tolerance = 0.01 if any(a in ISSUE_18 for a in args) else 0.10
         assert abs(result.peak_gpu_bytes / got["total"] - 1) <= tolerance, (args, result.peak_gpu_bytes, got)
@@ -301,7 +304,7 @@ def test_prediction_within_10_percent_of_a_real_gloo_job():
     per_rank = run_distributed(4, _real_rank, args, timeout=600)
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
-    predicted = P.plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
+    predicted = plan_from_job_config(parse_config(args), 4).peak_gpu_bytes
     for total in per_rank:
         assert abs(predicted / total - 1) <= 0.10, (predicted, per_rank)
 

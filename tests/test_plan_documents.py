@@ -13,9 +13,10 @@ import torch
 from plan_jobs import LLAMA, gpu_job
 
 from titan_upipe import plan as P
-from titan_upipe.attention.documents import DocumentMask
+from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.plan import documents as D
-from titan_upipe.tools.memory_tracker import LiveTensorTracker
+from titan_upipe.plan.cli import main as plan_main
+from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
 DOC_INDEX = "document index of the global batch (int64 [B, S], every rank)"
 SHAPES = [(1, 4096, 97), (2, 4096, 7), (3, 1000, 250), (1, 777, 1000)]
@@ -125,7 +126,7 @@ def test_report_and_cli_show_the_mask_metadata(capsys):
     text = P.render(result, info)
     assert "packed documents: document index 8.00 MiB per rank" in text
     assert DOC_INDEX in text  # a breakdown line like the other terms
-    assert P.main(["--model", "llama3_8b", "--seq-len", "8M", "--cp", "8", "--documents", "--json"]) == 0
+    assert plan_main(["--model", "llama3_8b", "--seq-len", "8M", "--cp", "8", "--documents", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["job"]["documents"] and out["documents"]["document_index_bytes"] == 64 * 2**20
     assert out["breakdown_bytes"][DOC_INDEX] == 64 * 2**20

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from titan_upipe.attention.kernel_speed import attention_rate
+from titan_upipe.costs.kernel_speed import attention_rate
 from titan_upipe.plan import PlanInput, model_dims, plan
 from titan_upipe.plan.kept import kept_bytes, kept_tensor_bytes
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.speed import MATMUL_TFLOPS, predict_step, predicted_speeds
-from titan_upipe.plan.units import GIB
+from titan_upipe.spec.units import GIB
 
 REPO = Path(__file__).resolve().parents[1]
 M = 2**20

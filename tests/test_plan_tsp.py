@@ -17,6 +17,8 @@ import pytest
 from plan_jobs import GIB, REPO, emulated_peaks
 
 from titan_upipe import plan as P
+from titan_upipe.plan.cli import main as plan_main
+from titan_upipe.plan.job_config import plan_from_job_config
 
 TSP = ["--job.config_file", "configs/debug/tsp.toml", "--training.local_batch_size", "1"]
 RECIPE = ["--model.converters", "tsp,tiled_rmsnorm,fused_ce", "--transforms.ce_backend", "torch",
@@ -62,7 +64,7 @@ def test_tsp_prediction_within_1_percent_of_the_emulated_rank():
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     for (args, world, where), got in zip(CASES, measured, strict=True):
-        result = P.plan_from_job_config(parse_config(_repo_args(args), quiet=True), world, device="cpu")
+        result = plan_from_job_config(parse_config(_repo_args(args), quiet=True), world, device="cpu")
         assert result.job.mode == "tsp"
         assert result.peak.where == where, (args, result.peak.where)
         assert abs(result.peak_gpu_bytes / got["total"] - 1) <= 0.01, (args, result.peak_gpu_bytes, got)
@@ -135,11 +137,11 @@ def test_longest_fit_of_tsp_never_names_a_lever_tsp_refuses():
 
 
 def test_plan_cli_accepts_tsp_from_a_recipe_and_from_a_model(capsys):
-    assert P.main(["--job.config_file", str(REPO / "configs/llama3_8b/tsp_1m.toml"), "--gpu-mem", "80",
+    assert plan_main(["--job.config_file", str(REPO / "configs/llama3_8b/tsp_1m.toml"), "--gpu-mem", "80",
                    "--host-mem", "1900", "--json"]) == 0
     from_recipe = json.loads(capsys.readouterr().out)
     assert from_recipe["mode"] == "tsp" and from_recipe["fits"] and from_recipe["cp"] == 8
-    assert P.main(["--model", "llama3_8b", "--mode", "tsp", "--cp", "8", "--seq-len", "1M", "--gpu-mem", "80",
+    assert plan_main(["--model", "llama3_8b", "--mode", "tsp", "--cp", "8", "--seq-len", "1M", "--gpu-mem", "80",
                    "--host-mem", "1900", "--keep-attention", "auto", "--json"]) == 0
     from_model = json.loads(capsys.readouterr().out)
     assert from_model["mode"] == "tsp" and not from_model["job"]["tiled_mlp"] and not from_model["job"]["fused_rope"]

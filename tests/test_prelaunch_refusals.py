@@ -161,8 +161,8 @@ def test_cuda_asked_for_leaves_torchtitans_device_alone(monkeypatch):
 
 def test_a_loader_saves_the_keys_the_checkpoint_check_expects(assets):
     """``builders.loader_state_keys`` is what each plugin loader's ``state_dict`` holds, flattened."""
-    from titan_upipe.data.builders import build_dataloader, build_tokenizer, loader_state_keys
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.data_builders import build_dataloader, build_tokenizer, loader_state_keys
 
     def flattened(state: dict, prefix: str = "") -> set[str]:
         keys = set()

@@ -105,7 +105,7 @@ def test_every_gpu_recipe_is_a_resumable_training_job():
     1,900 GiB of host beside the offloaded inputs (``validate``'s count; issue 34's 2M and 2.5M)."""
     import tomllib
 
-    from titan_upipe.plan.units import GIB
+    from titan_upipe.spec.units import GIB
     from titan_upipe.tools.preflight import host_memory_problem
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
@@ -132,7 +132,7 @@ def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     it is; upipe_7m only with the late prefetch of offloaded inputs, which it sets."""
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
-    from titan_upipe.plan.units import GIB
+    from titan_upipe.spec.units import GIB
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
@@ -154,7 +154,7 @@ def test_qwen3_32b_past_4m_recipes_fit_by_the_planner():
 
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
-    from titan_upipe.plan.units import GIB
+    from titan_upipe.spec.units import GIB
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
     gpu, host = 80 * GIB, 1900 * GIB
@@ -185,7 +185,7 @@ def test_qwen3_32b_one_node_recipes_fit_by_the_planner(suffix, capsys):
 
     from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
-    from titan_upipe.plan.units import GIB
+    from titan_upipe.spec.units import GIB
     from titan_upipe.tools import preflight as validate
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
 

@@ -240,7 +240,7 @@ def test_rotate_with_the_fp32_table_peaks_as_with_its_bf16_cast():
     peak on the same bytes as before. Live-tensor bytes, 4 heads of 64 over 256 positions."""
     from torchtitan.models.qwen3.model.model import precompute_rope_cache
 
-    from titan_upipe.tools.memory_tracker import LiveTensorTracker
+    from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
     torch.manual_seed(0)
     table = precompute_rope_cache(64, 512, 1e6)

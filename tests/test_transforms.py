@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from fake_meshes import OneRankMesh
 from torch import nn
 
-from titan_upipe.tools.memory_tracker import LiveTensorTracker
+from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 from titan_upipe.transforms.fused_ce import ChunkedLinearCrossEntropy
 from titan_upipe.transforms.model_forward import FinalHiddenStates, enable_fused_rope
 from titan_upipe.transforms.offload import OFFLOAD_STATS, apply_offloaded_ac
@@ -227,7 +227,7 @@ def test_fused_rope_turns_on_in_place_rope_in_cp_attention_in_either_order(fused
 
     converter = UPipeConverter.__new__(UPipeConverter)
     from titan_upipe.attention.backends import BackendChoice
-    from titan_upipe.parallel.cp_layout import CPLayout
+    from titan_upipe.spec.cp_layout import CPLayout
 
     converter.cp_mesh = OneRankMesh()
     converter.layout = CPLayout(None)  # heads_per_stage 0: U = the mesh's one Ulysses rank

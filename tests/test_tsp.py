@@ -360,7 +360,7 @@ def _owner_sum_backward_peaks(rank, world, mesh):
     import gc
 
     import titan_upipe.tsp.attention as tsp_attention_module
-    from titan_upipe.tools.memory_tracker import LiveTensorTracker
+    from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
 
     torch.manual_seed(0)
     seq, heads = 128 * world, 8

@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config import ConfigError
 from titan_upipe.torchtitan_0_2.config_parse import parse_config

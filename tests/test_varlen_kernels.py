@@ -35,7 +35,6 @@ from titan_upipe.attention.backends import (
     SdpaBackend,
 )
 from titan_upipe.attention.documents import (
-    DocumentMask,
     _loop_backward,
     _loop_forward,
     document_kernel_problem,
@@ -46,6 +45,7 @@ from titan_upipe.attention.documents import (
 )
 from titan_upipe.contracts.varlen import VarlenCase, check_varlen, document_ids
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.tools import gpu_kernels
 
 Tensor = torch.Tensor

@@ -93,7 +93,7 @@ def assert_losses_close(actual: list[float], expected: list[float], rtol: float)
 
 COUNT_LAYOUTS = forked_ranks.SITE_AFTER_IMPORTS + """
 import atexit, os, sys
-from titan_upipe.parallel import cp_layout as _module
+from titan_upipe.spec import cp_layout as _module
 
 _built = [0]
 _post_init = _module.CPLayout.__post_init__

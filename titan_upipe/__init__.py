@@ -6,13 +6,14 @@ enforced by tests/test_layers.py):
 ==============  ===========================================================================
 layer           folders (and the root's modules)
 ==============  ===========================================================================
-core            ``parallel`` (CP layout, sequence layouts, meshes, CP input preparation),
+core            ``spec`` (the job as pure values: ``JobSpec``, CP layout, head schedule),
+                ``parallel`` (sequence layouts, meshes, documents, CP input preparation),
                 ``attention``, ``tsp``, ``transforms``, ``optim``, ``costs`` (analytic models),
                 ``contracts`` (kernel contract harnesses), ``resources`` (package data),
-                ``errors``: torch and TorchTitan's model classes only
+                ``errors``: torch only, no TorchTitan (model classes are registered by the adapter)
 glue            ``torchtitan_0_2`` (everything that speaks TorchTitan 0.2.2's API), ``data``;
                 ``plugin`` and ``config`` (TorchTitan's ``custom_import`` / ``custom_config_module``)
-tools           ``tools``, ``plan``, ``emulate``; the ``-m`` shims ``train``, ``validate``,
+tools           ``toolkit`` (what the tools share), ``plan``, ``emulate``, ``tools``; the ``-m`` shims ``train``, ``validate``,
                 ``check``, ``gpu_suite``
 ==============  ===========================================================================
 

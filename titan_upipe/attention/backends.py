@@ -85,7 +85,7 @@ from titan_upipe.attention.flash_backends import (  # noqa: F401
     FlashAttn3Backend,
     FlashAttn4Backend,
 )
-from titan_upipe.attention.kernel_speed import DEFAULT_ORDER, arch_of_capability, measured_order
+from titan_upipe.costs.kernel_speed import DEFAULT_ORDER, arch_of_capability, measured_order
 from titan_upipe.errors import ConfigError
 
 
@@ -271,6 +271,11 @@ class SdpaBackend(LocalAttentionBackend):
 
     def backward(self, dout, q, k, v, out, lse, scale, causal=True):
         return self._kernels(q).backward(dout, q, k, v, out, lse, scale, causal)
+
+
+def current_arch() -> str | None:
+    """The architecture of this process's CUDA device as ``smXY`` (None without one)."""
+    return arch_of_capability(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 BACKENDS: dict[str, type[LocalAttentionBackend]] = {

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CP_MODES, check_sequence_length
+from titan_upipe.spec.cp_layout import CP_MODES, check_sequence_length
 
 SUPPORTED_MODES = CP_MODES
-"""The context-parallel modes (``titan_upipe.parallel.cp_layout.CPMode``)."""
+"""The context-parallel modes (``titan_upipe.spec.cp_layout.CPMode``)."""
 
 
 def check_mesh_for_mode(mode: str, ring: int, ulysses: int, ndim: int, is_ring_mesh: bool) -> None:

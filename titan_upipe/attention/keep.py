@@ -32,59 +32,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 Tensor = torch.Tensor
-
-
-Placement = Literal["device", "host"]
-"""Where a block's kept attention waits for its backward."""
-
-
-@dataclass(frozen=True)
-class KeepAttentionPlan:
-    """Which blocks keep their attention, and where: the last ``device_blocks`` blocks on the device
-    (their backward comes first, so they give the memory back first), the ``host_blocks`` below
-    them in host memory, the rest recompute it. Every rank of a job holds the same plan."""
-
-    device_blocks: int = 0
-    host_blocks: int = 0
-
-    def __post_init__(self) -> None:
-        if self.device_blocks < 0 or self.host_blocks < 0:
-            raise ValueError(f"block counts must be >= 0, got {self.device_blocks} and {self.host_blocks}")
-
-    @property
-    def blocks(self) -> int:
-        return self.device_blocks + self.host_blocks
-
-    def placement(self, index: int, n_blocks: int) -> Placement | None:
-        """Where block ``index`` of ``n_blocks`` keeps its attention (None: it does not)."""
-        from_top = n_blocks - 1 - index
-        if from_top < self.device_blocks:
-            return "device"
-        if from_top < self.blocks:
-            return "host"
-        return None
-
-    def describe(self, n_blocks: int) -> str:
-        """``"32 of 32 blocks keep their attention on the device"`` and the like."""
-        if not self.blocks:
-            return f"no block of {n_blocks} keeps its attention (every block recomputes it)"
-        parts = [f"{n} on the {where}" for n, where in ((self.device_blocks, "device"), (self.host_blocks, "host")) if n]
-        return f"{min(self.blocks, n_blocks)} of {n_blocks} blocks keep their attention ({', '.join(parts)})"
-
-
-NO_KEEP = KeepAttentionPlan()
-"""Every block recomputes its attention (full activation checkpointing as before)."""
-
-
-def kept_attention_bytes(tokens: int, n_heads: int, head_dim: int, activation_bytes: int) -> int:
-    """``T H (D a + 4)``: the bytes one block keeps on one rank (module docstring)."""
-    return tokens * n_heads * (head_dim * activation_bytes + 4)
 
 
 class Holder(Protocol):

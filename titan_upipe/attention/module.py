@@ -1,4 +1,5 @@
-"""The converted attention module: TorchTitan's Llama3/Qwen3 ``Attention`` under context parallelism.
+"""The converted attention module: a registered family's ``Attention`` (TorchTitan's Llama3/Qwen3)
+under context parallelism (``model_protocol``: what the module must have, and the registry).
 
 It registers the *same* ``wq``/``wk``/``wv``/``wo`` (and ``q_norm``/``k_norm``) submodules
 as the module it replaces, so parameter names, state dicts, FSDP wrapping and checkpoints
@@ -14,31 +15,38 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torchtitan.models.llama3.model.model import Attention as Llama3Attention
-from torchtitan.models.qwen3.model.model import Attention as Qwen3Attention
 
 from titan_upipe.attention.backends import LocalAttentionBackend, get_backend
-from titan_upipe.attention.documents import DocumentMask, DocumentMaskedBackend, check_attention_masks
+from titan_upipe.attention.documents import DocumentMaskedBackend
 from titan_upipe.attention.input_checks import (
     check_local_inputs,
     check_mesh_for_mode,
     check_ring_sequence,
 )
 from titan_upipe.attention.keep import KeptAttention
+from titan_upipe.attention.model_protocol import (
+    MODEL_CLASSES,
+    PROJECTIONS,
+    QK_NORMS,
+    UNREGISTERED_HINT,
+    AttentionModule,
+    ModelClasses,
+)
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
 from titan_upipe.attention.run import AttentionRun
-from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.attention.ulysses import ulysses_attention
 from titan_upipe.attention.upipe import UPipeAttentionFunction
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPMode, check_cp_degree, check_mode
+from titan_upipe.parallel.document_mask import DocumentMask, check_attention_masks
 from titan_upipe.parallel.mesh import is_ring_mesh, layout_rank, mesh_degrees, ring_part, ulysses_part
 from titan_upipe.parallel.sequence import layout_for
+from titan_upipe.spec.cp_layout import CPMode, check_cp_degree, check_mode
+from titan_upipe.spec.head_schedule import HeadSchedule, build_schedule
 
 Tensor = torch.Tensor
 
-SHARED_SUBMODULES = ("wq", "wk", "wv", "wo", "q_norm", "k_norm")
+SHARED_SUBMODULES = (*PROJECTIONS, *QK_NORMS)
 
 TSP_NOT_AN_ATTENTION_MODE = (
     "convert_attention does not build TSP: TSP shards the attention's and the feed-forward's weights over "
@@ -51,7 +59,7 @@ TSP_NOT_AN_ATTENTION_MODE = (
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """The head layout and math of a TorchTitan attention module."""
+    """The head layout and math of an attention module of a registered model family."""
 
     source_class: type[nn.Module]
     n_heads: int
@@ -63,20 +71,17 @@ class AttentionSpec:
     norm_eps: float | None
 
     @classmethod
-    def of(cls, module: nn.Module) -> AttentionSpec:
-        if isinstance(module, Qwen3Attention):
-            rotary, scale = RotaryKind.COS_SIN, module.scaling
-        elif isinstance(module, Llama3Attention):
-            # F.scaled_dot_product_attention's default scale, which Llama3 uses.
-            rotary, scale = RotaryKind.COMPLEX, module.head_dim**-0.5
-        else:
-            raise ConfigError(
-                f"convert_attention supports TorchTitan Llama3 and Qwen3 Attention modules, got {type(module).__name__}"
-            )
+    def of(cls, module: AttentionModule, classes: ModelClasses = MODEL_CLASSES) -> AttentionSpec:
+        family = classes.attention_family(module)
+        if family is None:
+            known = (f"the registered {classes.names()} Attention modules" if classes.families else
+                     f"the Attention modules of registered model families, and none is: {UNREGISTERED_HINT}")
+            raise ConfigError(f"convert_attention supports {known}; got {type(module).__name__}")
+        rotary, scale = family.rotary, family.attention_scale(module)
         # attn_type (sdpa, flex, varlen) picks TorchTitan's kernel, which conversion replaces: packed
         # documents reach the converted attention as a document_mask (the trainer builds it from
         # attn_mask_type = "block_causal", titan_upipe.torchtitan_0_2.cp_inputs), never as a flex/varlen mask.
-        biased = [name for name in ("wq", "wk", "wv", "wo") if getattr(module, name).bias is not None]
+        biased = [name for name in PROJECTIONS if getattr(module, name).bias is not None]
         if biased:
             raise ConfigError(f"context-parallel attention supports projections without bias (Llama3, Qwen3); "
                               f"{', '.join(biased)} of this module have one")

@@ -2,12 +2,15 @@
 
 The math is the unconverted TorchTitan modules', op for op: ``F.linear`` on a row slice
 of ``wq``/``wk``/``wv`` (rows ``h*D:(h+1)*D`` are head ``h``), ``F.rms_norm`` per head as
-``nn.RMSNorm`` does (Qwen3 applies it before RoPE), and RoPE through TorchTitan's own
-``reshape_for_broadcast`` helpers so ``positions`` index the table exactly as there:
+``nn.RMSNorm`` does (Qwen3 applies it before RoPE), and RoPE (:func:`rotate`) in the dtypes and
+op order TorchTitan 0.2.2's Llama3 and Qwen3 use, so Q/K are bit for bit theirs
+(tests/test_model_protocol.py compares them):
 
-* Llama3: ``freqs_cis`` complex64 ``[max_seq, D/2]``; x is viewed as complex pairs in fp32.
-* Qwen3: ``rope_cache`` fp32 ``[max_seq, 2D]`` = cos || sin, applied with ``rotate_half``
-  after casting cos/sin to x's dtype.
+* ``COMPLEX`` (Llama3): ``freqs_cis`` complex64 ``[max_seq, D/2]`` of ``e^{i·p·θ_j}``; the pairs
+  ``(x_2j, x_2j+1)`` of x, in fp32, are the complex ``z_j``, rotated as ``z_j · e^{i·p·θ_j}``.
+* ``COS_SIN`` (Qwen3): ``rope_cache`` fp32 ``[max_seq, 2D]`` = cos || sin of the angles of both
+  halves; with the halves ``(a, b)`` of x, ``x·cos + (-b, a)·sin`` in x's dtype, cos and sin
+  rounded to it first.
 
 With ``in_place_rope`` (set by the ``fused_rope`` transform) and no gradient recorded (UPipe's
 forward and recompute run inside an autograd Function; Ulysses under activation
@@ -25,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchtitan.models.llama3.model import model as llama3_model
-from torchtitan.models.qwen3.model import model as qwen3_model
 
 Tensor = torch.Tensor
 
@@ -36,18 +37,41 @@ class RotaryKind(enum.Enum):
     COS_SIN = "qwen3"  # real cos||sin cache, rotate_half
 
 
+def table_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """The rows of ``table`` ``[max_seq, W]`` at ``positions`` ``[P, L]`` (P = 1 or B), as
+    ``[P, L, 1, W]``: one row per token, broadcast over the heads of ``[B, L, h, ·]``.
+
+    A gather, contiguous, so the products in :func:`rotate` run on operands of the shape and
+    strides TorchTitan's RoPE gives them (the same elementwise kernels, the same bits)."""
+    return table[positions].unsqueeze(2)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """``(a, b) -> (-b, a)`` for the halves ``a``, ``b`` of the last dim: the product by ``i`` of
+    the complex numbers ``a_j + i·b_j``, so ``x·cos + rotate_half(x)·sin`` rotates each pair
+    ``(a_j, b_j)`` by its angle. The halves are sliced in order, first then second: autograd
+    sums their gradients into x's as it does TorchTitan's."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((-second, first), dim=-1)
+
+
 def rotate(x: Tensor, table: Tensor, positions: Tensor, kind: RotaryKind) -> Tensor:
-    """RoPE of ``x`` ``[B, L, h, D]`` at ``positions`` ``[1 or B, L]`` (global token positions)."""
+    """RoPE of ``x`` ``[B, L, h, D]`` at ``positions`` ``[1 or B, L]`` (global token positions).
+
+    ``COMPLEX``: ``z_j · e^{i·p·θ_j}`` in complex64 (the complex product's kernel, whose fp32 real
+    and imaginary parts ``ac - bd``, ``ad + bc`` :func:`rotate_` reproduces), rounded once to x's
+    dtype. ``COS_SIN``: ``x·cos + rotate_half(x)·sin``, every product and the sum in x's dtype, in
+    that order (``x·cos`` first)."""
+    rows = table_rows(table, positions)
     if kind is RotaryKind.COMPLEX:
-        x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        freqs = llama3_model.reshape_for_broadcast(table, x_complex, positions)
-        return torch.view_as_real(x_complex * freqs).flatten(3).type_as(x)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [B, L, h, D/2]
+        return torch.view_as_real(pairs * rows).flatten(3).type_as(x)
     head_dim = x.shape[-1]
-    cache = qwen3_model.reshape_for_broadcast(table, x, positions)
-    cos = cache[..., :head_dim].to(dtype=x.dtype, device=x.device)
-    sin = cache[..., head_dim:].to(dtype=x.dtype, device=x.device)
-    del cache  # the gathered fp32 rows (twice cos and sin in bf16): not live through the products
-    return ((x * cos) + (qwen3_model.rotate_half(x) * sin)).type_as(x)
+    cos = rows[..., :head_dim].to(dtype=x.dtype, device=x.device)
+    sin = rows[..., head_dim:].to(dtype=x.dtype, device=x.device)
+    del rows  # the gathered fp32 rows (twice cos and sin in bf16): not live through the products
+    return (x * cos + rotate_half(x) * sin).type_as(x)
 
 
 def _table_rows(table: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -37,12 +37,7 @@ import torch
 import torch.distributed as dist
 
 from titan_upipe.attention.backends import LocalAttentionBackend
-from titan_upipe.attention.documents import (
-    DocumentMask,
-    SegmentTable,
-    segmented_causal_backward,
-    segmented_causal_forward,
-)
+from titan_upipe.attention.documents import segmented_causal_backward, segmented_causal_forward
 from titan_upipe.attention.ring_plan import (
     BlockCall,
     BlockRule,
@@ -53,6 +48,7 @@ from titan_upipe.attention.ring_plan import (
     document_step_calls,
     step_calls,
 )
+from titan_upipe.parallel.document_mask import DocumentMask, SegmentTable
 
 Tensor = torch.Tensor
 

@@ -140,18 +140,6 @@ DocumentPlan = Callable[[int, int, int, Sequence[Sequence[Runs]], Sequence[Seque
 """``(ring_rank, ring_size, step, ring_runs, documents) -> calls`` (``document_step_calls``)."""
 
 
-def zigzag_ring_runs(seq_len: int, ring_size: int) -> tuple[Runs, ...]:
-    """The fixed zigzag's runs per ring rank: chunks ``r`` and ``2R-1-r`` of ``S/(2R)`` tokens
-    (one run ``[0, S)`` at ``R = 1``)."""
-    chunk = seq_len // (2 * ring_size)
-    out = []
-    for rank in range(ring_size):
-        first, second = zigzag_chunks(rank, ring_size)
-        runs = ((first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk))
-        out.append(((runs[0][0], runs[1][1]),) if runs[0][1] == runs[1][0] else runs)
-    return tuple(out)
-
-
 Piece = tuple[int, int, int, int]
 """``(document, global start, global stop, ring-local start)``: a rank's tokens of one document in one run."""
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from titan_upipe.attention.backends import LocalAttentionBackend
 from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.projection import HeadProjection
-from titan_upipe.attention.schedule import HeadSchedule
+from titan_upipe.spec.head_schedule import HeadSchedule
 
 
 @dataclass

@@ -47,13 +47,9 @@ from torch.autograd.function import once_differentiable
 from titan_upipe.attention.collectives import all_to_all, heads_view, seq_major
 from titan_upipe.attention.keep import recording, replaying
 from titan_upipe.attention.run import AttentionRun
-from titan_upipe.attention.schedule import HeadSchedule, Stage
+from titan_upipe.spec.head_schedule import INPUT_GRAD_TILES, HeadSchedule, Stage
 
 Tensor = torch.Tensor
-
-INPUT_GRAD_TILES = 8
-"""Token tiles of the final dX GEMM (``ProjectionGrads.input_grad``): its concatenated operand is
-1/8 of ``[tokens, (H+2KV)*D]`` at a time (the memory model, ``costs.attention_memory``, counts it)."""
 
 
 @dataclass

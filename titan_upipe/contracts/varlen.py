@@ -26,7 +26,6 @@ import torch
 
 from titan_upipe.attention.backends import LocalAttentionBackend
 from titan_upipe.attention.documents import (
-    DocumentMask,
     _loop_backward,
     _loop_forward,
     masked_backward,
@@ -35,6 +34,7 @@ from titan_upipe.attention.documents import (
     segmented_causal_forward,
 )
 from titan_upipe.contracts.backend import ERROR_FACTOR
+from titan_upipe.parallel.document_mask import DocumentMask
 
 Tensor = torch.Tensor
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.attention.schedule import HeadSchedule
+from titan_upipe.spec.head_schedule import HeadSchedule
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.attention.schedule import build_schedule
-from titan_upipe.attention.upipe import INPUT_GRAD_TILES
+from titan_upipe.spec.head_schedule import INPUT_GRAD_TILES, build_schedule
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ layer-level count leaves to the job's FSDP; full recomputation repeats the forwa
 
 from __future__ import annotations
 
-from titan_upipe.tsp.shards import TSPShards
+from titan_upipe.spec.tsp_shards import TSPShardSizes
 
 FP32_BYTES = 4
 
 
-def layer_comm_bytes(shards: TSPShards, dim: int, batch: int, seq_len: int, beta: int) -> dict[tuple[str, str], int]:
+def layer_comm_bytes(shards: TSPShardSizes, dim: int, batch: int, seq_len: int, beta: int) -> dict[tuple[str, str], int]:
     """``{(phase, kind): bytes}`` one rank receives in one layer's forward and backward (the
     keys of ``collectives.CommLog``); exact for this implementation, equal on every rank."""
     d = shards.degree
@@ -60,7 +60,7 @@ def step_bytes(volumes: dict[tuple[str, str], int], n_layers: int, recompute_fra
     return n_layers * (forward * (1 + recompute_fraction) + backward) - kept_layers * gathers
 
 
-def paper_layer_comm_bytes(shards: TSPShards, dim: int, batch: int, seq_len: int, beta: int,
+def paper_layer_comm_bytes(shards: TSPShardSizes, dim: int, batch: int, seq_len: int, beta: int,
                            recompute: bool = False) -> dict[str, float]:
     """The paper's per-layer, per-device volumes (eqs. 14-16), data-parallel all-reduce left out:
     ``{"forward", "backward", "recompute"}``."""

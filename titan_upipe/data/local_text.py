@@ -28,15 +28,18 @@ from __future__ import annotations
 import codecs
 import glob
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
-from torchtitan.tools.logging import logger
 
 from titan_upipe.data.packing import Cursor, Document, DocumentStats, pack
 from titan_upipe.errors import ConfigError
+
+logger = logging.getLogger()
+"""The root logger: where TorchTitan's own ``logger`` writes, so the lines keep its format."""
 
 LOCAL_TEXT_DATASET = "local_text"
 READERS_BY_EXTENSION = (".jsonl", ".parquet", ".txt")

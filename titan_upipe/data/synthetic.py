@@ -124,7 +124,7 @@ def copy_text(index: int, seq_len: int = 2048) -> str:
 
 class SyntheticCopyStream:
     """The samples ``sample(0), sample(1), …`` (``copy_sample`` or ``docs_sample``) as a
-    :class:`~titan_upipe.data.loader.SampleStream`: its state is the next index."""
+    :class:`~titan_upipe.torchtitan_0_2.data_loader.SampleStream`: its state is the next index."""
 
     def __init__(self, seq_len: int, seed: int = _DEFAULT_SEED, sample=copy_sample) -> None:
         self.seq_len = seq_len
@@ -145,28 +145,3 @@ class SyntheticCopyStream:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.index = int(state_dict["index"])
-
-
-def _load_copy_documents(path: str):
-    """Loader for TorchTitan's ``DATASETS`` registry: a lazy stream of text documents."""
-    del path
-    from datasets import IterableDataset as HFIterableDataset
-
-    def documents():
-        index = 0
-        while True:
-            yield {"text": copy_text(index)}
-            index += 1
-
-    return HFIterableDataset.from_generator(documents)
-
-
-def register_with_torchtitan() -> None:
-    """Make ``training.dataset = "synthetic_copy"`` valid for any TorchTitan train spec."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    DATASETS.setdefault(
-        "synthetic_copy",
-        DatasetConfig(path="synthetic_copy", loader=_load_copy_documents, sample_processor=lambda s: s["text"]),
-    )

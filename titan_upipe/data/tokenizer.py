@@ -88,11 +88,5 @@ def embedded_tokenizer_dir() -> str:
     return str(directory)
 
 
-def build_embedded_tokenizer():
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    return HuggingFaceTokenizer(embedded_tokenizer_dir())
-
-
 if __name__ == "__main__":
     print(embedded_tokenizer_dir())

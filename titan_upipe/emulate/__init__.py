@@ -56,7 +56,7 @@ Memory (bytes, this rank, identical definition in fake and real runs):
     (gradients were freed by ``zero_grad``).
 ``peak_bytes``
     the peak of live tensor bytes *created during the step*, tracked by
-    :class:`~titan_upipe.tools.memory_tracker.StepTracker` (a ``LiveTensorTracker`` that
+    :class:`~titan_upipe.toolkit.memory_tracker.StepTracker` (a ``LiveTensorTracker`` that
     accounts DTensors by their local shard, only tensors on the compute device, and
     re-measures storages FSDP2 frees/re-allocates with ``untyped_storage().resize_()``). It
     contains activations, gradients, communication buffers, FSDP's unsharded parameters,
@@ -128,7 +128,7 @@ tracked training step -> ``StepResult``; the steps of a measurement -> ``StepSer
 step 1), ``series`` (warm-up, timed steps, the reported one), ``extrapolate`` (fewer layers ->
 the full depth), ``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli``
 (``python -m titan_upipe.emulate``: the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
-core, in ``titan_upipe.tools.memory_tracker``; the communication count (``CommBytes``,
+core, in ``titan_upipe.toolkit.memory_tracker``; the communication count (``CommBytes``,
 ``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.costs.attention_comm``.
 """
 
@@ -142,7 +142,10 @@ from titan_upipe.emulate.extrapolate import (
     extrapolate_layers,
 )
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, GB, ModeledComm, StepMeasurement, measure_step
-from titan_upipe.emulate.rank import (
+from titan_upipe.emulate.series import StepSeries
+from titan_upipe.emulate.step import PHASES, StepResult
+from titan_upipe.toolkit.memory_tracker import StepTracker, storage_bytes
+from titan_upipe.torchtitan_0_2.rank_model import (
     RankModel,
     TrainingRank,
     build_parallel_dims,
@@ -150,9 +153,6 @@ from titan_upipe.emulate.rank import (
     build_training_rank,
     rank_device,
 )
-from titan_upipe.emulate.series import StepSeries
-from titan_upipe.emulate.step import PHASES, StepResult
-from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
 
 __all__ = [
     "DEFAULT_A2A_GBPS",

@@ -51,14 +51,20 @@ import torch
 import torch.distributed as dist
 
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
-from titan_upipe.emulate.rank import rank_device
 from titan_upipe.errors import ConfigError, exit_once
-from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.plan.guard import MemoryDoesNotFit, check_memory_fits, free_machine_memory, local_ranks
-from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
-from titan_upipe.tools.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.resources.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
+from titan_upipe.spec.cp_layout import cp_mode
+from titan_upipe.toolkit.cli_args import (
+    ToolParser,
+    non_negative_int,
+    positive_int,
+    positive_size,
+    token_count,
+)
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.rank_model import rank_device
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 TOOL = "titan_upipe.emulate"

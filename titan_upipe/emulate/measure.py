@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.config import TORCH_DTYPE_MAP
 
 from titan_upipe.attention import ContextParallelAttention
-from titan_upipe.attention.keep import NO_KEEP, kept_attention_bytes
 from titan_upipe.attention.kernel_compiles import uncounted_compilers
 from titan_upipe.costs.attention_comm import attention_comm_bytes, recompute_fraction
 from titan_upipe.costs.tsp_comm import layer_comm_bytes
@@ -33,19 +31,25 @@ from titan_upipe.emulate.extrapolate import (
     StepTimes,
     extrapolate_layers,
 )
-from titan_upipe.emulate.rank import TrainingRank, build_training_rank, rank_device
 from titan_upipe.emulate.series import StepSeries
 from titan_upipe.emulate.step import StepResult, run_steps
-from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.parallel.mesh import ulysses_part
 from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.plan.job_config import size_keep_attention_of_job
-from titan_upipe.tools.memory_tracker import storage_bytes
+from titan_upipe.spec.cp_layout import cp_mode
+from titan_upipe.spec.keep_attention import NO_KEEP, kept_attention_bytes
+from titan_upipe.toolkit.memory_tracker import storage_bytes
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
     plugin_fields,
+)
+from titan_upipe.torchtitan_0_2.rank_model import (
+    TrainingRank,
+    build_training_rank,
+    param_dtype_of,
+    rank_device,
 )
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.tsp.modules import TSPAttention
@@ -327,7 +331,7 @@ def _measure(job_config, world_size: int, *, fake: bool, device: torch.device, o
     rank.materialize_optimizer_state()
     # Activations (and so the all-to-all buffers and the kernels' inputs) are in the parameter
     # dtype: FSDP's mixed precision, or autocast without FSDP.
-    param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    param_dtype = param_dtype_of(job_config)
     compile_pass = options.steps > options.warmup_steps if options.compile_pass is None else options.compile_pass
     series = run_steps(rank, job_config, device, steps=options.steps, warmup_steps=options.warmup_steps, fake=fake,
                        time_attention=options.time_attention, compile_pass=compile_pass, compute_dtype=param_dtype)

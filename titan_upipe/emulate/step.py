@@ -18,19 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torchtitan.components.loss import IGNORE_INDEX
 
 from titan_upipe.attention import ContextParallelAttention, sequence_mesh
 from titan_upipe.attention.kernel_compiles import compiled_kernels, compiles_between
 from titan_upipe.emulate.compile_pass import run_compile_pass
-from titan_upipe.emulate.rank import TrainingRank
 from titan_upipe.emulate.series import StepSeries
 from titan_upipe.emulate.timers import AttentionTimer, BlockTimer
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import prepare_cp_batch
-from titan_upipe.tools.memory_tracker import StepTracker, storage_bytes
-from titan_upipe.tools.packed_documents import packed_document_tokens
+from titan_upipe.toolkit.memory_tracker import StepTracker, storage_bytes
+from titan_upipe.toolkit.packed_documents import packed_document_tokens
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
+from titan_upipe.torchtitan_0_2.rank_model import TrainingRank
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 Tensor = torch.Tensor
@@ -181,6 +181,12 @@ class _Batch:
     """Extra model inputs: the shard's ``positions`` under CP."""
 
 
+def resident_bytes(rank: TrainingRank) -> int:
+    """Bytes live between steps: parameters + optimizer state + buffers (gradients zeroed)."""
+    return (storage_bytes(rank.params) + storage_bytes(rank.optimizer_tensors())
+            + storage_bytes(list(rank.model.buffers())))
+
+
 def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: int, cp_mesh) -> _Batch:
     """The global batch created on the device (the trainer's host-to-device copy), then this
     rank's shard in the converted attention's layout (``cp_mesh``; None without CP)."""
@@ -241,7 +247,7 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
     sync()
     if is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    baseline = rank.resident_bytes()
+    baseline = resident_bytes(rank)
     # On CPU the offloaded block inputs are tracked (host == device): subtract them.
     tracker = StepTracker(device.type, on_host if device.type == "cpu" else None)
     blocks.tracker = tracker

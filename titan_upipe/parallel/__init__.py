@@ -16,11 +16,11 @@ inputs         ``prepare_cp_batch``: a rank's batch for the converted attention 
 ============== ==========================================================================
 """
 
-from titan_upipe.parallel.cp_layout import CPLayout, CPMode
 from titan_upipe.parallel.document_layout import BatchDocumentLayout, DocumentZigzagLayout
 from titan_upipe.parallel.layout import ContiguousLayout, SequenceLayout, ZigzagLayout
 from titan_upipe.parallel.mesh import context_parallel_mesh, layout_rank, mesh_degrees
 from titan_upipe.parallel.sequence import gather_sequence, layout_for, shard_sequence
+from titan_upipe.spec.cp_layout import CPLayout, CPMode
 
 __all__ = [
     "BatchDocumentLayout",

@@ -334,3 +334,15 @@ def batch_deals(rows: Sequence[Sequence[int]], ring_size: int, threshold: int) -
         return chosen
     zigzag = tuple(d if d.is_zigzag else zigzag_deal(lengths, ring_size) for d, lengths in zip(chosen, rows, strict=True))
     return chosen if _busiest(chosen) < _busiest(zigzag) else zigzag
+
+
+def zigzag_ring_runs(seq_len: int, ring_size: int) -> tuple[Runs, ...]:
+    """The fixed zigzag's runs per ring rank: chunks ``r`` and ``2R-1-r`` of ``S/(2R)`` tokens
+    (one run ``[0, S)`` at ``R = 1``)."""
+    chunk = seq_len // (2 * ring_size)
+    out = []
+    for rank in range(ring_size):
+        first, second = zigzag_chunks(rank, ring_size)
+        runs = ((first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk))
+        out.append(((runs[0][0], runs[1][1]),) if runs[0][1] == runs[1][0] else runs)
+    return tuple(out)

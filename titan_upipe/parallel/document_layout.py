@@ -64,14 +64,7 @@ import torch
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.document_deal import Runs, batch_deals, row_deal, split_threshold
 from titan_upipe.parallel.layout import RingUlyssesRanks, shard_at_positions, unshard_from_positions
-
-DOCUMENT_BALANCES = ("zigzag", "documents")
-"""``[upipe] document_balance``: the fixed zigzag (``ZigzagLayout``) or this per-batch layout."""
-
-DEFAULT_MIN_SPLIT = 16384
-"""Documents of at least this many tokens are zigzagged inside themselves; shorter ones are dealt
-whole unless the balance needs them split (``docs/benchmarks/document_balance.md`` measured the
-balance with this value)."""
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 
 def document_zigzag_runs(lengths: Sequence[int], ring_size: int, min_split: int) -> tuple[Runs, ...]:

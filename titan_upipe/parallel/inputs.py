@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_upipe.attention.documents import DocumentMask, balanced_for_mesh
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, BatchDocumentLayout
+from titan_upipe.parallel.document_layout import BatchDocumentLayout
+from titan_upipe.parallel.document_mask import DocumentMask, balanced_for_mesh
 from titan_upipe.parallel.mesh import layout_rank
 from titan_upipe.parallel.sequence import layout_for, shard_sequence
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 Tensor = torch.Tensor
 

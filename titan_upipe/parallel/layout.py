@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import check_sequence_length
+from titan_upipe.spec.cp_layout import check_sequence_length
 
 
 class SequenceLayout(Protocol):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPLayout, resolve_mesh_shape
+from titan_upipe.spec.cp_layout import CPLayout, resolve_mesh_shape
 
 RING_DIM = "ring"
 ULYSSES_DIM = "ulysses"

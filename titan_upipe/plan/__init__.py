@@ -34,11 +34,10 @@ deciding whether a plan fits.
 Modules (imports point down the list):
 
 ===============  ==========================================================================
-``units``        GIB, lengths as the configs write them (``128K``, ``5M``)
-``dims``         ``ModelDims`` and ``model_dims_from_args`` (a TorchTitan flavor's args)
-``models``       ``KNOWN_MODELS``/``model_dims``: the paper's models, read from the train
-                 specs' flavors (imports TorchTitan)
-``job``          ``PlanInput``: one job; its CP layout is ``parallel.cp_layout.CPLayout``
+``models``       ``KNOWN_MODELS``/``model_dims``: the paper's two models (checked against the
+                 adapter's flavors by tests/test_job_spec.py)
+``job``          ``PlanInput``: one job; its CP layout is ``spec.cp_layout.CPLayout``
+``spec_input``   ``plan_input_from_spec``: a ``JobSpec`` (``titan_upipe.spec``) as a PlanInput
 ``terms``        ``Term``: one enum member per kind of live tensor, its value the label
 ``result``       ``Moment`` and ``MemoryPlan``
 ``documents``    packed documents: the document mask's index, build and segment terms
@@ -51,19 +50,22 @@ Modules (imports point down the list):
 ``loss``         final norm and cross-entropy (stock, chunked torch, Liger)
 ``step``         the walk through one step (``StepWalk``) and ``plan``
 ``search``       ``max_seq_len``, ``longest_fit`` (and the settings it needs), ``recommended_heads_per_stage``
-``job_config``   ``plan_input_from_job_config``/``plan_from_job_config`` (a parsed TOML)
 ``report``       ``summary``, ``render``, the plot and the paper's Table 4
-``cli``          ``build_parser`` and ``main`` (registers the plugin first)
+``arguments``    ``build_parser``: the command line's arguments (``--help`` without torch)
+===============  ==========================================================================
+
+Importing ``titan_upipe.plan`` loads the modules above: arithmetic, no torch, no TorchTitan
+(``tests/test_layers.py``). The modules that read a TorchTitan job are not imported here:
+``cli`` (``main``: parses a TOML, registers the plugin), ``job_config`` (a parsed TOML through
+its ``JobSpec``, the machine's memory, sizing ``keep_attention = "auto"``), ``guard`` (the memory
+guard of the launchers) and ``speed_table`` (the recipes' speed table for the docs).
 ===============  ==========================================================================
 """
 
 from __future__ import annotations
 
 from titan_upipe.costs.attention_memory import paper_table2_peak, paper_table6_peak
-from titan_upipe.plan.cli import build_parser, main
-from titan_upipe.plan.dims import ModelDims, model_dims_from_args
 from titan_upipe.plan.job import MODES, RUNTIME_RESERVE_GIB_CUDA, PlanInput, as_tsp
-from titan_upipe.plan.job_config import PLAN_AUTO_BACKEND, plan_from_job_config, plan_input_from_job_config
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS, model_dims
 from titan_upipe.plan.report import (
     PAPER_ROWS,
@@ -77,15 +79,17 @@ from titan_upipe.plan.report import (
 )
 from titan_upipe.plan.result import MemoryPlan, Moment
 from titan_upipe.plan.search import LEVERS, longest_fit, max_seq_len, recommended_heads_per_stage
+from titan_upipe.plan.spec_input import PLAN_AUTO_BACKEND, plan_input_from_spec
 from titan_upipe.plan.step import plan
 from titan_upipe.plan.terms import Term
-from titan_upipe.plan.units import GIB, K, format_length, parse_length
+from titan_upipe.spec.model_dims import ModelDims
+from titan_upipe.spec.units import GIB, K, format_length, parse_length
 
 # Paper formulas re-exported for the docs/tests comparing the attention term with Tables 2/6.
 __all__ = [
     "GIB", "K", "KNOWN_MODELS", "MODEL_FLAVORS", "MODES", "PAPER_ROWS", "PAPER_TABLES_CSV", "PLAN_AUTO_BACKEND",
     "PLOT_LENGTHS", "RUNTIME_RESERVE_GIB_CUDA", "MemoryPlan", "ModelDims", "Moment", "PlanInput", "Term",
-    "LEVERS", "as_tsp", "build_parser", "format_length", "longest_fit", "main", "make_plot", "max_seq_len", "model_dims", "model_dims_from_args",
-    "paper_table2_peak", "paper_table4", "paper_table6_peak", "parse_length", "plan", "plan_from_job_config",
-    "plan_input_from_job_config", "plot_variants", "recommended_heads_per_stage", "render", "summary",
+    "LEVERS", "as_tsp", "format_length", "longest_fit", "make_plot", "max_seq_len", "model_dims",
+    "paper_table2_peak", "paper_table4", "paper_table6_peak", "parse_length", "plan", "plan_input_from_spec",
+    "plot_variants", "recommended_heads_per_stage", "render", "summary",
 ]

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.terms import Term, Terms
-from titan_upipe.plan.units import format_bytes
+from titan_upipe.spec.units import format_bytes
 
 SEGMENT_HOST_BYTES = 100
 """Host bytes per document of ``DocumentMask.document_segments`` (CPython 3.11): a 2-tuple (56),

@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from titan_upipe.attention.keep import KeepAttentionPlan
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.cli import PLAN_GPU_GIB
 from titan_upipe.plan.job import PlanInput
@@ -46,7 +45,8 @@ from titan_upipe.plan.job_config import (
 )
 from titan_upipe.plan.search import longest_multiple
 from titan_upipe.plan.step import plan
-from titan_upipe.plan.units import GIB
+from titan_upipe.spec.keep_attention import KeepAttentionPlan
+from titan_upipe.spec.units import GIB
 from titan_upipe.torchtitan_0_2 import cpu_runtime
 
 logger = logging.getLogger(__name__)

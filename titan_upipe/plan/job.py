@@ -5,7 +5,7 @@ Per rank: ``T = B S / C`` tokens (``tokens``) of a sequence of ``S`` split over 
 activations in FSDP's param dtype (fp32 without FSDP); ``S`` a multiple of ``seq_unit`` (``C``,
 or ``2 R C_u`` with a ring of ``R = C / C_u`` ranks: zigzag chunks over the Ulysses ranks).
 
-The CP degrees, U and the sequence divisor are ``titan_upipe.parallel.cp_layout.CPLayout``'s.
+The CP degrees, U and the sequence divisor are ``titan_upipe.spec.cp_layout.CPLayout``'s.
 The planner accepts a few settings the plugin's layout does not, and plans them as the layout
 they amount to (``_layout_settings``): no CP attention (``none``) or a CP degree of 1 under any
 mode, ``ring`` whatever ``ulysses`` says, ``ulysses``/``usp`` with all of CP on Ulysses or none
@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from titan_upipe.attention.keep import KeepAttentionPlan
-from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, valid_heads_per_stage
-from titan_upipe.plan.dims import ModelDims
-from titan_upipe.plan.units import GIB
-from titan_upipe.tsp.shards import bucket_problems, tsp_problems
+from titan_upipe.spec.cp_layout import CP_MODES, CPLayout, CPMode, valid_heads_per_stage
+from titan_upipe.spec.keep_attention import KeepAttentionPlan
+from titan_upipe.spec.model_dims import ModelDims
+from titan_upipe.spec.tsp_shards import bucket_problems, tsp_problems
+from titan_upipe.spec.units import GIB
 
 MODES: tuple[str, ...] = ("none", *CP_MODES, "upipe-in-usp")
 """The planner's modes: no CP attention, the plugin's CP attentions (``CP_MODES``: ulysses,

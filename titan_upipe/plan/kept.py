@@ -15,9 +15,9 @@ TSP                                 per owner and KV bucket, each zigzag chunk's
 
 from __future__ import annotations
 
-from titan_upipe.attention.keep import kept_attention_bytes
 from titan_upipe.plan.job import UPIPE_MODES
 from titan_upipe.plan.sizes import StepSizes
+from titan_upipe.spec.keep_attention import kept_attention_bytes
 
 
 def kept_bytes(s: StepSizes) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms
-from titan_upipe.plan.units import pow2_ceil
+from titan_upipe.spec.units import pow2_ceil
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,29 @@
-"""The models the planner knows by name, read from the plugin's train-spec flavors (no table of
-their own): ``llama3_8b`` is ``upipe_llama3/8B``, ``qwen3_32b`` is ``upipe_qwen3/32B``; any
-``<model.name>:<flavor>`` works too. Reading a flavor imports TorchTitan; nothing is registered.
+"""The models the planner knows by name: the paper's two, as ``ModelDims`` (pure values).
+
+``llama3_8b`` is TorchTitan's ``llama3`` ``8B`` flavor and ``qwen3_32b`` its ``qwen3`` ``32B``
+(the plugin's ``upipe_llama3`` / ``upipe_qwen3`` specs); ``tests/test_job_spec.py`` checks these
+rows against the flavors the adapter reads, so the table cannot drift from TorchTitan's. Any
+other ``<model.name>:<flavor>`` is read through the adapter by the command line
+(``torchtitan_0_2.flavors.flavor_model_dims``).
 """
 
 from __future__ import annotations
 
-from titan_upipe.plan.dims import ModelDims, model_dims_from_args
-from titan_upipe.torchtitan_0_2.flavors import LLAMA3_SPEC, QWEN3_SPEC, model_flavors
+from titan_upipe.spec.model_dims import ModelDims
 
-MODEL_FLAVORS = {"llama3_8b": (LLAMA3_SPEC, "8B"), "qwen3_32b": (QWEN3_SPEC, "32B")}
+MODEL_FLAVORS = {"llama3_8b": ("upipe_llama3", "8B"), "qwen3_32b": ("upipe_qwen3", "32B")}
 """The paper's two models: ``name -> (model.name, model.flavor)``."""
 
 KNOWN_MODELS: dict[str, ModelDims] = {
-    name: model_dims_from_args(name, model_flavors(spec)[flavor]) for name, (spec, flavor) in MODEL_FLAVORS.items()
+    "llama3_8b": ModelDims("llama3_8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                           ffn_dim=14336, vocab=128256, rope="llama3"),
+    "qwen3_32b": ModelDims("qwen3_32b", dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+                           ffn_dim=25600, vocab=151936, qk_norm=True, rope="qwen3"),
 }
 
 
-def model_dims(spec: str) -> ModelDims:
-    """``llama3_8b``, ``qwen3_32b`` or ``<model.name>:<flavor>`` (a train spec's flavor)."""
-    if spec in KNOWN_MODELS:
-        return KNOWN_MODELS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown model {spec!r}: use one of {', '.join(KNOWN_MODELS)} or <model.name>:<flavor>")
-    name, flavor = spec.split(":", 1)
-    flavors = model_flavors(name)
-    if flavor not in flavors:
-        raise ValueError(f"{flavor!r} is not a flavor of {name}: valid values are {', '.join(flavors)}")
-    return model_dims_from_args(spec, flavors[flavor])
+def model_dims(name: str) -> ModelDims:
+    """``llama3_8b`` or ``qwen3_32b`` (a ValueError naming them for anything else)."""
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join(KNOWN_MODELS)} or <model.name>:<flavor>")
+    return KNOWN_MODELS[name]

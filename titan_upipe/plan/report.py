@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from titan_upipe.attention.keep import kept_attention_bytes
 from titan_upipe.plan.documents import documents_summary
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput, as_tsp
 from titan_upipe.plan.result import MemoryPlan
@@ -14,14 +13,15 @@ from titan_upipe.plan.search import longest_fit, max_seq_len, recommended_heads_
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.speed import A2A_GBPS, MATMUL_TFLOPS, predicted_speeds
 from titan_upipe.plan.step import plan
-from titan_upipe.plan.units import GIB, K, format_bytes, format_length, parse_length
-from titan_upipe.tools.paper_tables import (
+from titan_upipe.resources.paper_tables import (
     LENGTH_COLUMNS,
     PAPER_TABLES_CSV,
     cell_value,
     paper_rows,
     paper_value,
 )
+from titan_upipe.spec.keep_attention import kept_attention_bytes
+from titan_upipe.spec.units import GIB, K, format_bytes, format_length, parse_length
 
 PLOT_LENGTHS = [parse_length(x) for x in ("128K", "256K", "512K", "1M", "2M", "3M", "4M", "5M", "6M", "7M", "8M")]
 PAPER_ROWS = {"ulysses": "Ulysses", "upipe": "UPipe", "ring": "Ring"}

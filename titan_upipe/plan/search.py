@@ -11,10 +11,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import replace
 
-from titan_upipe.attention.keep import KeepAttentionPlan
-from titan_upipe.parallel.cp_layout import valid_heads_per_stage
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
 from titan_upipe.plan.step import plan
+from titan_upipe.spec.cp_layout import valid_heads_per_stage
+from titan_upipe.spec.keep_attention import KeepAttentionPlan
 
 
 def longest_multiple(fits: Callable[[int], bool], start: int = 1, limit: int = 1 << 30) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.plan.dims import ModelDims
 from titan_upipe.plan.job import PlanInput
+from titan_upipe.spec.model_dims import ModelDims
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titan_upipe.attention.kernel_speed import KernelRate, attention_rate, causal_flops
-from titan_upipe.attention.schedule import build_schedule
 from titan_upipe.costs.attention_comm import attention_comm_bytes
+from titan_upipe.costs.kernel_speed import KernelRate, attention_rate, causal_flops
 from titan_upipe.costs.tsp_comm import layer_comm_bytes
 from titan_upipe.costs.tsp_comm import step_bytes as tsp_step_bytes
 from titan_upipe.plan.job import UPIPE_MODES, PlanInput
-from titan_upipe.tsp.shards import TSPShards
+from titan_upipe.spec.head_schedule import build_schedule
+from titan_upipe.spec.tsp_shards import TSPShardSizes
 
 MATMUL_TFLOPS = 600.0
 """Assumed bf16 dense GEMM rate of one Hopper GPU (cuBLAS on the blocks' large GEMMs reaches about
@@ -85,7 +85,7 @@ def _comm_bytes(job: PlanInput, kept: int) -> tuple[float, float]:
     m, n = job.model, job.model.n_layers
     recompute = 1.0 if job.ac_mode == "full" else 0.0
     if job.tsp:
-        shards = TSPShards(m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim, job.cp)
+        shards = TSPShardSizes(m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim, job.cp)
         volumes = layer_comm_bytes(shards, m.dim, job.batch, job.seq_len, job.compute_bytes)
         return 0.0, tsp_step_bytes(volumes, n, recompute, kept)
     if job.degrees.mode is None:

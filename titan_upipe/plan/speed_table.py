@@ -20,8 +20,8 @@ from titan_upipe.plan.job_config import (
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.speed import predicted_speeds
 from titan_upipe.plan.step import plan
-from titan_upipe.plan.units import GIB
-from titan_upipe.tools.paper_tables import paper_value
+from titan_upipe.resources.paper_tables import paper_value
+from titan_upipe.spec.units import GIB
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 GPU_GIB, HOST_GIB = 80.0, 1900.0

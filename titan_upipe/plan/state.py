@@ -18,7 +18,7 @@ import math
 from titan_upipe.plan.documents import document_index_terms
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms
-from titan_upipe.plan.units import pow2_ceil
+from titan_upipe.spec.units import pow2_ceil
 
 ATTENTION_NORM = (Term.ATTENTION_NORM_OUT, Term.ATTENTION_NORM_STATS)
 FFN_NORM = (Term.FFN_NORM_OUT, Term.FFN_NORM_STATS)

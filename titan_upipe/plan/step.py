@@ -33,7 +33,7 @@ from titan_upipe.plan.state import (
     state_terms,
 )
 from titan_upipe.plan.terms import Counted, Term, Terms, labelled
-from titan_upipe.plan.units import pow2_ceil
+from titan_upipe.spec.units import pow2_ceil
 
 
 class StepWalk:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, unique
 
-from titan_upipe.plan.units import format_bytes
+from titan_upipe.spec.units import format_bytes
 
 
 @unique

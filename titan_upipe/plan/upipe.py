@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.attention.schedule import HeadSchedule, build_schedule
 from titan_upipe.costs.attention_memory import (
     LayerShape,
     upipe_backward_terms,
@@ -21,6 +20,7 @@ from titan_upipe.costs.attention_memory import (
 from titan_upipe.plan.attention import AttentionTerms, kernel_backward_terms, kernel_forward_terms, ring_terms
 from titan_upipe.plan.sizes import StepSizes
 from titan_upipe.plan.terms import Term, Terms, from_memory_model
+from titan_upipe.spec.head_schedule import HeadSchedule, build_schedule
 
 KERNEL_OUTPUTS = (Term.UPIPE_BWD_KERNEL_DQ, Term.UPIPE_BWD_KERNEL_DKV)
 """A stage's kernel outputs: gone once they are sent back (and, with a ring, not yet there at

@@ -36,20 +36,19 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
-from titan_upipe.attention.kernel_speed import (
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend, current_arch
+from titan_upipe.contracts.backend import check_contract, contract_cases
+from titan_upipe.costs.kernel_speed import (
     ASSUMED_TFLOPS,
     KERNEL_SPEED_CSV,
     arch_of_device,
     attention_rate,
     causal_flops,
-    current_arch,
     dense_seconds,
     read_rows,
     scores,
     write_rows,
 )
-from titan_upipe.contracts.backend import check_contract, contract_cases
 from titan_upipe.errors import ConfigError
 
 K, M = 1024, 1024 * 1024

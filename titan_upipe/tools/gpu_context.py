@@ -10,8 +10,8 @@ from pathlib import Path
 
 from titan_upipe.plan import plan
 from titan_upipe.plan.job_config import plan_input_from_job_config
+from titan_upipe.resources.paper_tables import paper_value
 from titan_upipe.tools.gpu_reports import COLD_STEP, StageReport
-from titan_upipe.tools.paper_tables import paper_value
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 REPO = Path.cwd()

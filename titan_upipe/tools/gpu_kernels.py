@@ -20,16 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torchtitan.components.loss import cross_entropy_loss
-from torchtitan.models.llama3.model.args import TransformerModelArgs
-from torchtitan.models.llama3.model.model import Transformer
 
 from titan_upipe.attention import convert_attention
 from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
-from titan_upipe.attention.keep import KeepAttentionPlan, kept_attention_bytes
 from titan_upipe.contracts.backend import ERROR_FACTOR, check_contract, contract_cases
 from titan_upipe.contracts.varlen import check_varlen, varlen_cases
+from titan_upipe.spec.keep_attention import KeepAttentionPlan, kept_attention_bytes
 from titan_upipe.torchtitan_0_2.compile_parts import compile_parts
+from titan_upipe.torchtitan_0_2.flavors import llama3_model
+from titan_upipe.torchtitan_0_2.loss import cross_entropy_loss
 from titan_upipe.transforms.fused_ce import (
     ChunkedLinearCrossEntropy,
     _liger_sum,
@@ -195,11 +194,10 @@ def fused_ce_checks(device: str) -> list[dict]:
 def _debug_llama3(device: str, n_layers: int = 2, n_heads: int = 8, n_kv_heads: int = 2,
                   vocab: int = 512) -> torch.nn.Module:
     shapes = shapes_for(device)
-    args = TransformerModelArgs(dim=shapes.model_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                                vocab_size=vocab, multiple_of=64, rope_theta=500000, max_seq_len=shapes.seq_len)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(args)
+        model = llama3_model(dim=shapes.model_dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                             vocab_size=vocab, multiple_of=64, rope_theta=500000, max_seq_len=shapes.seq_len)
     with torch.no_grad():
         model.init_weights()
     return model

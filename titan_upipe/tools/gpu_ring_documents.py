@@ -54,13 +54,13 @@ import numpy as np
 import torch
 
 from titan_upipe.attention.backends import BACKENDS, LocalAttentionBackend, choose_backend, default_scale
-from titan_upipe.attention.documents import DocumentMask, SegmentTable, document_mask
 from titan_upipe.attention.ring import RingAttentionBackend, merge_partial
 from titan_upipe.attention.ring_plan import DocumentPlan, document_step_calls, kv_source
 from titan_upipe.costs.document_balance import imbalance, job_intervals, step_work
 from titan_upipe.costs.document_mixes import make_batch
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
+from titan_upipe.parallel.document_mask import DocumentMask, SegmentTable, document_mask
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
 from titan_upipe.tools.gpu_attention import ASSUMED_TFLOPS, repeats_for
 
 K, M = 1024, 1024 * 1024

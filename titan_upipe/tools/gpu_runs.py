@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titan_upipe.tools.cli_args import parse_length
+from titan_upipe.toolkit.cli_args import parse_length
 from titan_upipe.tools.compile_caches import compile_cache_env
 from titan_upipe.tools.gpu_context import REPO, add_memory_context, add_speed_context
 from titan_upipe.tools.gpu_queue import FULL_RECOMPUTE

@@ -81,17 +81,16 @@ from pathlib import Path
 
 import torch
 
-from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend
-from titan_upipe.attention.kernel_speed import (
+from titan_upipe.attention.backends import AUTO_ORDER, BACKENDS, choose_backend, current_arch
+from titan_upipe.costs.kernel_speed import (
     KERNEL_SPEED_CSV,
-    current_arch,
     latest_arch,
     measured_order,
     read_rows,
 )
-from titan_upipe.plan.units import format_length
+from titan_upipe.spec.units import format_length
+from titan_upipe.toolkit.cli_args import ToolParser, parse_length
 from titan_upipe.tools import gpu_ring_documents
-from titan_upipe.tools.cli_args import ToolParser, parse_length
 from titan_upipe.tools.gpu_attention import (
     DENSE_LENGTHS,
     case_key,

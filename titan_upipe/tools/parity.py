@@ -43,21 +43,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import ParallelDims
 
 from titan_upipe.attention import sequence_mesh
-from titan_upipe.emulate.rank import build_loss_fn, build_parallel_dims, build_rank_model, rank_device
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
 from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.plan.job_config import size_keep_attention_of_job
-from titan_upipe.tools.cli_args import ToolParser, non_negative_int, positive_int, positive_size, token_count
-from titan_upipe.tools.packed_documents import document_runs, packed_document_tokens
+from titan_upipe.toolkit.cli_args import (
+    ToolParser,
+    non_negative_int,
+    positive_int,
+    positive_size,
+    token_count,
+)
+from titan_upipe.toolkit.packed_documents import document_runs, packed_document_tokens
 from titan_upipe.torchtitan_0_2.checks import check_job, cp_layout
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
+from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
+from titan_upipe.torchtitan_0_2.rank_model import (
+    ParallelDims,
+    build_loss_fn,
+    build_parallel_dims,
+    build_rank_model,
+    rank_device,
+)
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 

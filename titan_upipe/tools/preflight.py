@@ -33,7 +33,7 @@ from titan_upipe.plan.job_config import (
     plan_from_job_config,
     size_keep_attention_of_job,
 )
-from titan_upipe.tools.cli_args import ToolParser, positive_int, positive_size
+from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, cpu_runtime, job_assets
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,

@@ -15,9 +15,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import TypeVar
 
 from titan_upipe.attention.backends import BACKEND_SETTINGS as ATTENTION_BACKENDS
-from titan_upipe.attention.documents import check_document_balance
 from titan_upipe.errors import ConfigError, with_suggestion
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
+from titan_upipe.parallel.document_mask import check_document_balance
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 from titan_upipe.transforms.fused_ce import CE_BACKENDS as KERNEL_BACKENDS
 
 __all__ = ["ATTENTION_BACKENDS", "KERNEL_BACKENDS", "ActivationCheckpointOffload", "ConfigError", "JobConfig", "LocalData",
@@ -40,8 +40,10 @@ def _require_choice(value: object, key: str, choices: tuple[str, ...]) -> None:
 @dataclass
 class UPipe:
     """The context-parallel settings of every CP mode (``ulysses``, ``upipe``, ``ring``, ``usp``,
-    ``tsp``), named after the plugin: the local kernel and the Ulysses degree for all of them, U
-    for ``upipe`` alone (the TOML section and its keys keep that name; ``docs/config.md``)."""
+    ``tsp``): the local kernel and the Ulysses degree for all of them, U for ``upipe`` alone. TOML
+    ``[context_parallel]`` or ``[upipe]``, flags ``--context_parallel.X`` or ``--upipe.X``; the field,
+    ``--help`` and the messages keep the plugin's name, ``upipe`` (``config_file.SECTION_ALIASES``,
+    ``docs/config.md``)."""
 
     heads_per_stage: int = 0
     """U, the query heads processed per UPipe stage: a multiple of the Ulysses degree that

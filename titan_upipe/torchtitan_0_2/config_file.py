@@ -5,6 +5,10 @@ without the file's name: a byte that is not UTF-8 (``UnicodeDecodeError``), a bi
 unreadable one (``PermissionError``). A UTF-8 byte-order mark reads as "Invalid statement (line 1,
 column 1)", and an empty file parses as no settings at all, so the job silently trains
 TorchTitan's defaults. Each of these is a :class:`~titan_upipe.errors.ConfigError` here.
+
+The context-parallel section is ``[context_parallel]`` in the docs and ``[upipe]`` inside: the
+JobConfig field, the ``--upipe.X`` flags and the checks' messages keep the older name, which TOML
+files may still use. :func:`internal_sections` maps the one to the other; a file with both is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from pathlib import Path
 
 from titan_upipe.errors import ConfigError, with_suggestion
 
-__all__ = ["load_toml", "toml_text"]
+__all__ = ["SECTION_ALIASES", "internal_sections", "load_toml", "toml_text"]
+
+SECTION_ALIASES = {"context_parallel": "upipe"}
+"""A TOML section's documented name -> the JobConfig section that holds it. ``[context_parallel]``
+holds the settings of every context-parallel mode; its field keeps the plugin's name, ``upipe``,
+as do the ``--upipe.X`` flags and the messages of the checks (``upipe.ulysses_degree``)."""
 
 _BYTE_ORDER_MARKS = {
     b"\xef\xbb\xbf": "starts with a UTF-8 byte-order mark (BOM), which tomllib (TorchTitan's reader) refuses: save it "
@@ -84,4 +93,23 @@ def load_toml(path: str) -> dict:
         what = "is empty" if not text.strip() else "holds no settings (only comments)"
         raise ConfigError(f"config file {path} {what}: TorchTitan would train its defaults; name a config with "
                           "[model] and [training], e.g. configs/debug/llama3_upipe.toml")
+    _check_one_name_per_section(path, values)
     return values
+
+
+def _check_one_name_per_section(path: str, values: dict) -> None:
+    """A section under its documented name and its internal one at once is refused: which of the two
+    a key would come from is the reader's guess."""
+    for name, internal in SECTION_ALIASES.items():
+        if name in values and internal in values:
+            raise ConfigError(f"config file {path} has both [{name}] and [{internal}], the same section under its "
+                              f"two names ([{internal}] is the older one): move the keys of [{internal}] into "
+                              f"[{name}] and delete [{internal}]")
+
+
+def internal_sections(values: dict) -> dict:
+    """The TOML ``values`` with each section under its JobConfig name (``[context_parallel]`` read as
+    ``upipe``), in the file's order; ``values`` itself when no section is aliased."""
+    if not SECTION_ALIASES.keys() & values.keys():
+        return values
+    return {SECTION_ALIASES.get(name, name): value for name, value in values.items()}

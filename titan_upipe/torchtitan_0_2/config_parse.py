@@ -9,6 +9,10 @@ status 2: under torchrun, once per rank. :func:`parse_job_config` checks the fil
 and value types and the flag names against the merged schema first, each with the closest valid
 name, then runs ``ConfigManager`` with its console output held back, so what tyro still refuses
 (a flag's value) also becomes one ConfigError.
+
+``[context_parallel]`` and ``--context_parallel.X`` are read as the JobConfig's ``upipe`` section
+(``config_file.SECTION_ALIASES``): the file's keys and the flags are checked under the name written,
+then TorchTitan and tyro get them under ``upipe``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ from torchtitan.config import JobConfig as TorchTitanJobConfig
 from torchtitan.config.manager import custom_registry
 
 from titan_upipe.errors import ConfigError, closest, with_suggestion
-from titan_upipe.torchtitan_0_2.config_file import load_toml
+from titan_upipe.torchtitan_0_2.config_file import SECTION_ALIASES, internal_sections, load_toml
 
 __all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_one_value_per_flag",
            "check_toml",
-           "config_schema", "console_error_line", "flag_value", "load_toml", "parse_job_config", "parse_quietly"]
+           "config_schema", "console_error_line", "flag_value", "internal_flags", "load_toml", "parse_job_config",
+           "parse_quietly", "with_section_aliases"]
 
 Schema = dict[str, "Schema | object"]
 """Section name -> nested schema, key name -> its annotated type."""
@@ -85,6 +90,27 @@ def config_schema(custom_module: str | None) -> Schema:
         raise ConfigError(f"job.custom_config_module = {custom_module!r} cannot be used ({err}): name a module "
                           "with a JobConfig dataclass, e.g. \"titan_upipe.config\"") from None
     return _merge(schema, _dataclass_schema(custom))
+
+
+def with_section_aliases(schema: Schema) -> Schema:
+    """``schema`` with each aliased section under its documented name too (``context_parallel``, the
+    keys of ``upipe``), so that a file's keys and flags are checked, and suggested, as written."""
+    aliases = {name: schema[internal] for name, internal in SECTION_ALIASES.items()
+               if isinstance(schema.get(internal), dict) and name not in schema}
+    return {**schema, **aliases}
+
+
+def internal_flags(args: list[str]) -> list[str]:
+    """``args`` with each flag of an aliased section under the JobConfig's name (tyro's):
+    ``--context_parallel.ulysses_degree 2`` (or ``--context-parallel.…``) as ``--upipe.ulysses_degree 2``."""
+    renamed = []
+    for arg in args:
+        for name, internal in SECTION_ALIASES.items():
+            for spelling in {name, name.replace("_", "-")}:
+                if arg.startswith(f"--{spelling}."):
+                    arg = f"--{internal}.{arg[len(spelling) + 3:]}"
+        renamed.append(arg)
+    return renamed
 
 
 def _leaf_names(schema: Schema, prefix: str = "") -> list[str]:
@@ -294,6 +320,12 @@ class HelpOnDemandConfigManager(ConfigManager):
     ``ConfigManager.parse_args`` (the TOML, the custom config module, the TOML as defaults, tyro over
     the flags, TorchTitan's own checks), tyro told to skip the help text (``HelptextFromCommentsOff``)."""
 
+    def _maybe_load_toml(self, args: list[str]) -> dict | None:
+        """The TOML file's values, each section under its JobConfig name (``[context_parallel]`` as
+        ``upipe``); TorchTitan's own reader would refuse ``context_parallel`` as an invalid field."""
+        path = flag_value(args, CONFIG_FILE_FLAGS)
+        return internal_sections(load_toml(path)) if path else None
+
     def parse_args(self, args: list[str]):
         if HELP_FLAGS.intersection(args):
             return super().parse_args(args)
@@ -329,10 +361,10 @@ def parse_job_config(args: list[str]):
     values = load_toml(path) if path else {}
     job = values.get("job")
     module = flag_value(args, CONFIG_MODULE_FLAGS) or (job.get("custom_config_module") if isinstance(job, dict) else None)
-    schema = config_schema(module)
+    schema = with_section_aliases(config_schema(module))
     check_toml(values, schema, path or "")
     check_flags(args, schema)
-    return parse_quietly(args)
+    return parse_quietly(internal_flags(args))
 
 
 CONFIG_MODULE = "titan_upipe.config"

@@ -23,9 +23,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from titan_upipe.attention.module import convert_attention_of_blocks
-from titan_upipe.parallel.cp_layout import CPMode
 from titan_upipe.parallel.inputs import LayoutCheck
 from titan_upipe.parallel.mesh import layout_mesh
+from titan_upipe.spec.cp_layout import CPMode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype, cp_layout
 from titan_upipe.torchtitan_0_2.config import (
     Transforms,

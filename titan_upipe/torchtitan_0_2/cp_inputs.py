@@ -15,13 +15,14 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 
 from titan_upipe.attention import sequence_mesh
-from titan_upipe.attention.documents import DocumentMask
 from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.costs.document_balance import ring_work_ratios, split_threshold
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CP_MODES
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT, document_lengths
+from titan_upipe.parallel.document_layout import document_lengths
+from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.spec.cp_layout import CP_MODES
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 
 def model_sequence_mesh(model_parts: list[nn.Module]) -> DeviceMesh:

@@ -16,19 +16,20 @@ split: TSP needs the degree to divide the KV heads). ``debug_flex`` (llama3 and 
 TorchTitan's packed-document settings, as its ``debugmodel_flex_attn`` / ``8B_flex`` flavors
 set them: ``attn_type = "flex"``, ``attn_mask_type = "block_causal"`` (documents end at each
 EOS token). Under a CP converter the attention is the plugin's, which reads the documents from
-``attn_mask_type`` whatever the ``attn_type`` (``titan_upipe.torchtitan_0_2.cp_inputs.document_attention_masks``).
+``attn_mask_type`` whatever the ``attn_type`` (``titan_upipe.torchtitan_0_2.cp_inputs.document_eos_id``).
 """
 
 from __future__ import annotations
 
 import copy
 
-from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.protocols.train_spec import get_train_spec
 
 from titan_upipe.data.tokenizer import VOCAB_SIZE
 from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.spec.model_dims import ModelDims
 
 LLAMA3_SPEC = "upipe_llama3"
 QWEN3_SPEC = "upipe_qwen3"
@@ -123,3 +124,34 @@ def ffn_hidden_dim(args) -> int:
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def model_dims_from_args(name: str, args) -> ModelDims:
+    """ModelDims of a TorchTitan Llama3 ``TransformerModelArgs`` or Qwen3 ``Qwen3ModelArgs``."""
+    n_kv = args.n_kv_heads or args.n_heads
+    if hasattr(args, "hidden_dim"):  # Qwen3
+        return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
+                         head_dim=args.head_dim, ffn_dim=args.hidden_dim, vocab=args.vocab_size,
+                         tied=bool(getattr(args, "enable_weight_tying", False)), qk_norm=bool(args.qk_norm),
+                         rope="qwen3")
+    return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
+                     head_dim=args.dim // args.n_heads,
+                     ffn_dim=ffn_hidden_dim(args),
+                     vocab=args.vocab_size, rope="llama3")
+
+
+def flavor_model_dims(name: str) -> ModelDims:
+    """``ModelDims`` of ``<model.name>:<flavor>`` (a train spec's flavor), for the planner's ``--model``."""
+    if ":" not in name:
+        raise ValueError(f"unknown model {name!r}: use llama3_8b, qwen3_32b or <model.name>:<flavor>")
+    model_name, flavor = name.split(":", 1)
+    flavors = model_flavors(model_name)
+    if flavor not in flavors:
+        raise ValueError(f"{flavor!r} is not a flavor of {model_name}: valid values are {', '.join(flavors)}")
+    return model_dims_from_args(name, flavors[flavor])
+
+
+def llama3_model(**args) -> Transformer:
+    """TorchTitan's Llama3 ``Transformer`` of ``TransformerModelArgs(**args)`` on the current default
+    device, unconverted (the GPU suite's kernel checks build their own small models through it)."""
+    return Transformer(TransformerModelArgs(**args))

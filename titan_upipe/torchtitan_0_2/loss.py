@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import torch
-from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss, cross_entropy_loss
 
 from titan_upipe.transforms.model_forward import FinalHiddenStates
+
+__all__ = ["IGNORE_INDEX", "build_loss_fn", "cross_entropy_loss"]
+"""``IGNORE_INDEX`` and ``cross_entropy_loss`` are TorchTitan's, for the tools (which import no TorchTitan)."""
 
 
 def build_loss_fn(job_config, **kwargs):

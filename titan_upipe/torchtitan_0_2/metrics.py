@@ -54,7 +54,7 @@ from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
-from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim

@@ -9,7 +9,8 @@ Context parallelism is not applied here: the CP attention converters
 (``model.converters``) have already replaced each block's attention before this
 runs (TorchTitan converts on the meta device, then parallelizes). TorchTitan's
 own CP hooks dispatch only CUDA SDPA kernels, so a CP degree without one of our
-converters is rejected (``validation.check_job``) with the settings to use instead.
+converters is rejected by the job checks (``checks.check_job``: at launch, and again
+here for ``-m torchtitan.train`` launches) with the settings to use instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import apply_compile, disable_fsdp_gradient_division
 from torchtitan.tools.logging import logger
 
-from titan_upipe.attention.keep import KeepAttentionPlan
+from titan_upipe.spec.keep_attention import KeepAttentionPlan
 from titan_upipe.torchtitan_0_2 import cpu_runtime
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.checks.keep_attention import (

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from torchtitan.protocols.model_converter import register_model_converter
 
-from titan_upipe.data import synthetic
-from titan_upipe.torchtitan_0_2 import converters, cpu_runtime, specs
+from titan_upipe.torchtitan_0_2 import converters, cpu_runtime, datasets, model_classes, specs
 
 
 def register_converters(named: dict[str, type]) -> None:
@@ -24,8 +23,10 @@ def register_converters(named: dict[str, type]) -> None:
 
 def register_plugin() -> None:
     """Point TorchTitan at the CPU when there is no accelerator (``cpu_runtime.activate``), then
-    register the train specs, the synthetic dataset and every model converter. Idempotent."""
+    register Llama3's and Qwen3's classes with the core, the train specs, the synthetic dataset and
+    every model converter. Idempotent."""
     cpu_runtime.activate()
-    synthetic.register_with_torchtitan()
+    model_classes.register_model_classes()
+    datasets.register_with_torchtitan()
     specs.register()
     register_converters(converters.CONVERTERS)

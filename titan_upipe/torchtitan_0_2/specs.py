@@ -18,7 +18,7 @@ import dataclasses
 
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-from titan_upipe.data import builders
+from titan_upipe.torchtitan_0_2 import data_builders as builders
 from titan_upipe.torchtitan_0_2.flavors import BASE_MODELS, model_flavors
 from titan_upipe.torchtitan_0_2.loss import build_loss_fn
 from titan_upipe.torchtitan_0_2.metrics import build_metrics_processor

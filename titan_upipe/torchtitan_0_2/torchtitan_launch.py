@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from titan_upipe.errors import ConfigError, exit_once
-from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 
 TORCHTITAN_TRAIN = "torchtitan.train"

@@ -43,8 +43,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from titan_upipe.parallel.document_layout import DEFAULT_MIN_SPLIT
 from titan_upipe.parallel.inputs import valid_tokens
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     batch_ring_work,

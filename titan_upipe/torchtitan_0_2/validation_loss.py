@@ -11,7 +11,7 @@ the single-device mean of each global batch, averaged over the batches. TorchTit
 validator shards head-tail (not the attention's layout) and counts tokens after sharding, so under
 CP its loss is about C times too large, on tokens in the wrong order.
 
-Plugin datasets restart at every evaluation (``data.builders.build_validation_dataloader``): each
+Plugin datasets restart at every evaluation (``torchtitan_0_2.data_builders.build_validation_dataloader``): each
 point of the curve scores the same held-out tokens. The validation window's tokens and time are its
 own (``validation_metrics/throughput(tps)``); the training throughput window resumes afterwards
 without them.
@@ -27,7 +27,6 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.distributed import utils as dist_utils
 
-from titan_upipe.data.builders import PLUGIN_DATASETS, build_validation_dataloader
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.cp_inputs import (
@@ -36,6 +35,7 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
     model_sequence_mesh,
     shard_batch,
 )
+from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS, build_validation_dataloader
 
 
 class LayoutValidator(BaseValidator):

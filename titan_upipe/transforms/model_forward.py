@@ -1,9 +1,12 @@
 """The model-level forward the ``fused_rope`` and ``fused_ce`` converters need.
 
-TorchTitan's ``Transformer.forward`` passes its full-length RoPE buffer to every block and
-ends with the output projection. A converter swaps the model's class for a subclass that
-differs in exactly those two places (the class swap is how FSDP wraps modules too; parameters,
-buffers' names, FQNs and ``init_weights`` stay the model's):
+A registered family's model (``attention.model_protocol``: TorchTitan's Llama3 ``Transformer``,
+``Qwen3Model``) passes its full-length RoPE buffer to every block and ends with the output
+projection. A converter swaps the model's class for the family's ``fused_model``: the model class
+with :class:`TransformedForward` in front, which differs in exactly those two places (the class
+swap is how FSDP wraps modules too; parameters, buffers' names, FQNs and ``init_weights`` stay the
+model's). The adapter that registers the family defines that subclass (TorchTitan's:
+``titan_upipe.torchtitan_0_2.model_classes``):
 
 * ``fused_rope``: the RoPE buffer holds the ``D/2`` inverse frequencies; each forward builds
   the rows of the positions in the batch (``rope.local_rope_inputs``) and passes those.
@@ -15,17 +18,17 @@ Both flags live on the instance, so the converters compose in any order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchtitan.models.llama3.model.model import Transformer as Llama3Transformer
-from torchtitan.models.qwen3.model.model import Qwen3Model
 
+from titan_upipe.attention.model_protocol import MODEL_CLASSES, UNREGISTERED_HINT, ModelClasses, ModelFamily
 from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.attention.projection import RotaryKind
 from titan_upipe.errors import ConfigError
-from titan_upipe.transforms.rope import inverse_frequencies, local_rope_inputs
+from titan_upipe.transforms.rope import local_rope_inputs
 
 Tensor = torch.Tensor
 
@@ -43,9 +46,13 @@ class FinalHiddenStates:
         return self.head(self.hidden, labels)
 
 
-class _TransformedForward:
-    """Mixin placed before a TorchTitan model class."""
+class TransformedForward:
+    """Mixin placed before a model class (``ModelFamily.fused_model``). A subclass names its RoPE
+    buffer (``ROPE_BUFFER``), returns the compact table (:meth:`_compact_rope`, the ``D/2``
+    inverse frequencies: ``rope.inverse_frequencies``) and routes the method ``init_weights``
+    builds the buffer with through :meth:`_rope_table`."""
 
+    ROPE_BUFFER: str
     fused_rope_kind: RotaryKind | None = None
     fused_cross_entropy: bool = False
 
@@ -55,6 +62,11 @@ class _TransformedForward:
 
     def _compact_rope(self) -> Tensor:
         raise NotImplementedError
+
+    def _rope_table(self, full_table: Callable[[], Tensor]) -> Tensor:
+        """What ``init_weights`` puts in the RoPE buffer: the compact table under ``fused_rope``,
+        else the model's own full one (``full_table()``)."""
+        return self._compact_rope() if self.fused_rope_kind is not None else full_table()
 
     def forward(self, tokens: Tensor, attention_masks=None, positions: Tensor | None = None):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -69,40 +81,21 @@ class _TransformedForward:
         return self.output(h) if self.output is not None else h
 
 
-class FusedLlama3Transformer(_TransformedForward, Llama3Transformer):
-    ROPE_BUFFER = "freqs_cis"
-
-    def _compact_rope(self) -> Tensor:
-        args = self.model_args
-        return inverse_frequencies(RotaryKind.COMPLEX, args.dim // args.n_heads, args.rope_theta,
-                                   args.rope_scaling_args)
-
-    def _precompute_freqs_cis(self) -> Tensor:  # called by init_weights
-        return self._compact_rope() if self.fused_rope_kind is not None else super()._precompute_freqs_cis()
+def model_family(model: nn.Module, classes: ModelClasses = MODEL_CLASSES) -> ModelFamily:
+    """The registered family of ``model`` (its class, or its ``fused_model``), one with a fused model."""
+    family = classes.model_family(model)
+    if family is None or family.fused_model is None:
+        supported = (f"the registered {classes.names()} models" if classes.families else
+                     f"the models of registered model families, and none is: {UNREGISTERED_HINT}")
+        raise ConfigError(f"fused_rope and fused_ce support {supported}; got {type(model).__name__}")
+    return family
 
 
-class FusedQwen3Model(_TransformedForward, Qwen3Model):
-    ROPE_BUFFER = "rope_cache"
-
-    def _compact_rope(self) -> Tensor:
-        return inverse_frequencies(RotaryKind.COS_SIN, self.model_args.head_dim, self.model_args.rope_theta)
-
-    def _precompute_rope_cache(self) -> Tensor:  # called by init_weights
-        return self._compact_rope() if self.fused_rope_kind is not None else super()._precompute_rope_cache()
-
-
-_FUSED_CLASSES = {Llama3Transformer: FusedLlama3Transformer, Qwen3Model: FusedQwen3Model}
-
-
-def transformed(model: nn.Module) -> _TransformedForward:
-    """``model`` with the transformed forward (idempotent); Llama3 and Qwen3 only."""
-    if isinstance(model, _TransformedForward):
+def transformed(model: nn.Module) -> TransformedForward:
+    """``model`` with the transformed forward (idempotent); registered families only."""
+    if isinstance(model, TransformedForward):
         return model
-    fused = _FUSED_CLASSES.get(type(model))
-    if fused is None:
-        raise ConfigError(f"fused_rope and fused_ce support TorchTitan's Llama3 Transformer and Qwen3Model, "
-                          f"got {type(model).__name__}")
-    model.__class__ = fused
+    model.__class__ = model_family(model).fused_model
     return model
 
 
@@ -113,8 +106,7 @@ def enable_fused_rope(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ContextParallelAttention):
             module.in_place_rope = True
-    model.fused_rope_kind = (RotaryKind.COMPLEX if isinstance(model, FusedLlama3Transformer)
-                             else RotaryKind.COS_SIN)
+    model.fused_rope_kind = model_family(model).rotary
     device = model._rope_buffer.device
     with torch.device(device):
         compact = model._compact_rope()

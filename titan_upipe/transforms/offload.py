@@ -16,19 +16,19 @@ the device (plain full AC for them): backward needs those first, so they cost de
 from their forward to their backward, never at the backward peak (blocks 0-1), and save K inputs of
 host memory (what bounds the longest context of a node when host memory runs out first).
 
-TorchTitan's Llama3 and Qwen3 blocks are checkpointed as two chained autograd Functions split at
-``h``, the residual stream after attention: :class:`OffloadedAttentionHalf` (``x -> h = x +
-attention(attention_norm(x))``) and :class:`OffloadedFeedForwardHalf` (``h -> out = h +
-ffn(ffn_norm(h))``). The autograd engine keeps the gradient passed into a Function's backward
-alive until that backward returns (``del`` in Python does not release it), so one Function around
-the whole block would hold the block output's gradient (one hidden state) through the attention
-backward, which needs only the gradient of ``h``. Split, the feed-forward half's backward
-recomputes the whole block, backpropagates its own half and returns the gradient of ``h``; the
-engine drops the output's gradient before the attention half's backward runs the attention graph
-left to it, one hidden state below the whole-block peak. Any other module (or a TorchTitan block
-with hooks of its own, which running its halves directly would skip) is checkpointed by the
-whole-block :class:`OffloadedCheckpointFunction` and holds its incoming gradient through its whole
-backward.
+The blocks of a registered model family (``attention.model_protocol``: TorchTitan's Llama3 and
+Qwen3) are checkpointed as two chained autograd Functions split at ``h``, the residual stream
+after attention: :class:`OffloadedAttentionHalf` (``x -> h = x + attention(attention_norm(x))``)
+and :class:`OffloadedFeedForwardHalf` (``h -> out = h + ffn(ffn_norm(h))``). The autograd engine
+keeps the gradient passed into a Function's backward alive until that backward returns (``del`` in
+Python does not release it), so one Function around the whole block would hold the block output's
+gradient (one hidden state) through the attention backward, which needs only the gradient of
+``h``. Split, the feed-forward half's backward recomputes the whole block, backpropagates its own
+half and returns the gradient of ``h``; the engine drops the output's gradient before the
+attention half's backward runs the attention graph left to it, one hidden state below the
+whole-block peak. Any other module (or a TorchTitan block with hooks of its own, which running its
+halves directly would skip) is checkpointed by the whole-block
+:class:`OffloadedCheckpointFunction` and holds its incoming gradient through its whole backward.
 
 Kept attention (``keep``: a :class:`~titan_upipe.attention.keep.KeepAttentionPlan`): a block that
 keeps passes a :class:`~titan_upipe.attention.keep.KeptAttention` to its attention, which records its
@@ -55,12 +55,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-from torchtitan.models.llama3.model.model import TransformerBlock as Llama3Block
-from torchtitan.models.qwen3.model.model import TransformerBlock as Qwen3Block
 
-from titan_upipe.attention.keep import NO_KEEP, KeepAttentionPlan, KeptAttention, Placement
+from titan_upipe.attention.keep import KeptAttention
+from titan_upipe.attention.model_protocol import MODEL_CLASSES
 from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.errors import ConfigError
+from titan_upipe.spec.keep_attention import NO_KEEP, KeepAttentionPlan, Placement
 
 Tensor = torch.Tensor
 
@@ -265,9 +265,10 @@ class SplitBlock:
 
 
 def splits_at_h(block: nn.Module) -> bool:
-    """A TorchTitan Llama3/Qwen3 block with no hooks of its own (running its halves skips them)."""
+    """A block of a registered family (``model_protocol.BlockModule``: TorchTitan's Llama3/Qwen3)
+    with no hooks of its own (running its halves skips them)."""
     hooks = (block._forward_pre_hooks, block._forward_hooks, block._backward_pre_hooks, block._backward_hooks)
-    return isinstance(block, (Llama3Block, Qwen3Block)) and not any(hooks)
+    return MODEL_CLASSES.require("offloaded checkpointing").block_family(block) is not None and not any(hooks)
 
 
 def attention_args(block: nn.Module, x: Tensor, *args, **kwargs) -> tuple:

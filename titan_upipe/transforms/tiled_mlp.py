@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from titan_upipe.attention.model_protocol import MODEL_CLASSES
 from titan_upipe.transforms.tiling import accumulate_matmul, tile_bounds
 
 Tensor = torch.Tensor
@@ -93,8 +94,7 @@ class TiledFeedForward(nn.Module):
         return TiledSwiGLUFunction.apply(x, self.w1.weight, self.w2.weight, self.w3.weight, tile)
 
 
-def is_swiglu_feed_forward(module: nn.Module) -> bool:
-    from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
-    from torchtitan.models.qwen3.model.model import FeedForward as Qwen3FeedForward
-
-    return isinstance(module, (Llama3FeedForward, Qwen3FeedForward))
+def is_swiglu_feed_forward(module: nn.Module | None) -> bool:
+    """A registered family's dense feed-forward (``model_protocol.FeedForwardModule``: TorchTitan's
+    Llama3/Qwen3 ``FeedForward``), whose forward is ``w2(silu(w1 x) * w3 x)``."""
+    return MODEL_CLASSES.require("tiled_mlp").feed_forward_family(module) is not None

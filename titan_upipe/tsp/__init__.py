@@ -17,16 +17,11 @@ The bytes a TSP layer moves (``layer_comm_bytes``, the paper's eqs. 14-16) are a
 ``titan_upipe.costs.tsp_comm``.
 """
 
+from titan_upipe.spec.tsp_shards import check_tsp_degree, tsp_problems
 from titan_upipe.tsp.attention import GatheredCausalAttention, tsp_attention
 from titan_upipe.tsp.collectives import CommLog, Pending
 from titan_upipe.tsp.mlp import tsp_gated_mlp
-from titan_upipe.tsp.shards import (
-           TSPShards,
-           check_tsp_degree,
-           pack_attention_shard,
-           pack_mlp_shard,
-           tsp_problems,
-)
+from titan_upipe.tsp.shards import TSPShards, pack_attention_shard, pack_mlp_shard
 
 __all__ = ["CommLog", "GatheredCausalAttention", "Pending", "TSPShards", "check_tsp_degree", "pack_attention_shard",
            "pack_mlp_shard", "tsp_attention", "tsp_gated_mlp", "tsp_problems"]

@@ -29,19 +29,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from titan_upipe.attention.documents import check_attention_masks
 from titan_upipe.attention.input_checks import check_local_inputs
 from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
-from titan_upipe.attention.schedule import build_schedule
 from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.document_mask import check_attention_masks
 from titan_upipe.parallel.layout import ZigzagLayout
 from titan_upipe.parallel.mesh import is_ring_mesh
+from titan_upipe.spec.head_schedule import build_schedule
+from titan_upipe.spec.tsp_shards import bucket_problems
 from titan_upipe.transforms.tiled_mlp import is_swiglu_feed_forward
 from titan_upipe.tsp.attention import tsp_attention
 from titan_upipe.tsp.collectives import CommLog
 from titan_upipe.tsp.mlp import tsp_gated_mlp
-from titan_upipe.tsp.shards import TSPShards, bucket_problems, pack_attention_shard, pack_mlp_shard
+from titan_upipe.tsp.shards import TSPShards, pack_attention_shard, pack_mlp_shard
 
 Tensor = torch.Tensor
 

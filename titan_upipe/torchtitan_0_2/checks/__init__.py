@@ -6,7 +6,7 @@ Every check has one signature, ``check(job_config, world_size) -> None``, and ra
 runs it again so that launches through ``torchtitan.train`` are covered too (there after
 process-group start, still before any collective of ours); ``python -m titan_upipe.validate``
 runs the same ``JOB_CHECKS`` to report every problem. The context-parallel settings are read
-once, into the job's one :class:`~titan_upipe.parallel.cp_layout.CPLayout` (:func:`cp_layout`).
+once, into the job's one :class:`~titan_upipe.spec.cp_layout.CPLayout` (:func:`cp_layout`).
 
 ===============  ===========================================================================
 module           sections

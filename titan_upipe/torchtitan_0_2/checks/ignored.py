@@ -16,7 +16,7 @@ from typing import Any
 
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPLayout, CPMode, cp_mode
+from titan_upipe.spec.cp_layout import CPMode, cp_mode, layout_degrees
 from titan_upipe.torchtitan_0_2.config import (
     TSP,
     ActivationCheckpointOffload,
@@ -106,7 +106,7 @@ def _no_documents_on_a_ring(job_config) -> str | None:
     if mode is None or mode is CPMode.TSP:
         return "model.converters has no ring attention (ring, usp, upipe inside usp)"
     cp = job_config.parallelism.context_parallel_degree
-    ring = (CPLayout(mode, cp, upipe.ulysses_degree).ring_degree
+    ring = (layout_degrees(mode, cp, upipe.ulysses_degree)[0]
             if isinstance(upipe.ulysses_degree, int) and isinstance(cp, int) else 2)
     if ring == 1:
         return f"{mode.value!r} on {cp} ranks has no ring (Ulysses and UPipe alone are balanced already)"

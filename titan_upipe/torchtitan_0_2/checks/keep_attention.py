@@ -10,13 +10,13 @@ entry points before any process group starts) and leaves the plan here, on the j
 
 from __future__ import annotations
 
-from titan_upipe.attention.keep import NO_KEEP, KeepAttentionPlan
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import cp_mode
+from titan_upipe.spec.cp_layout import cp_mode
+from titan_upipe.spec.keep_attention import NO_KEEP, KeepAttentionPlan
+from titan_upipe.spec.settings import KEEP_ATTENTION
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, plugin_fields
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 
-KEEP_ATTENTION = ("off", "device", "host", "auto")
 AUTO = "auto"
 PLAN_ATTRIBUTE = "_titan_upipe_keep_plan"
 

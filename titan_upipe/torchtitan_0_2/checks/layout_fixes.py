@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import (
+from titan_upipe.spec.cp_layout import (
     CP_DEGREE_KEY,
     HEADS_PER_STAGE_KEY,
     ULYSSES_KEY,

@@ -10,7 +10,7 @@ from titan_upipe.attention.backends import BACKENDS, BackendChoice, choose_backe
 from titan_upipe.attention.documents import document_kernel_problem
 from titan_upipe.data.synthetic import COPY_DATASET, DOCS_DATASET
 from titan_upipe.errors import ConfigError, did_you_mean
-from titan_upipe.parallel.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
+from titan_upipe.spec.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
 from titan_upipe.torchtitan_0_2.checks.ignored import ignored_settings
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES

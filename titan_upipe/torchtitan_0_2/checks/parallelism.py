@@ -4,14 +4,14 @@ and the flavor's heads): degrees, world size, the one ``CPLayout`` of the job.""
 from __future__ import annotations
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.cp_layout import CPLayout, CPMode, cp_mode
+from titan_upipe.spec.cp_layout import CPLayout, CPMode, cp_mode
+from titan_upipe.spec.tsp_shards import bucket_problems, tsp_problems
 from titan_upipe.torchtitan_0_2.checks.layout_fixes import UnfitLayout
 from titan_upipe.torchtitan_0_2.config import (
     OptimizerHostState,
     plugin_fields,
 )
 from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim, flavor_args
-from titan_upipe.tsp.shards import bucket_problems, tsp_problems
 
 
 def degrees_besides_shard(parallelism) -> int:

@@ -8,12 +8,11 @@ import math
 
 from torchtitan.hf_datasets.text_datasets import DATASETS
 
-from titan_upipe.data.builders import PLUGIN_DATASETS
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError, with_suggestion
-from titan_upipe.parallel.cp_layout import cp_mode
 from titan_upipe.resources import resource
+from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout, data_parallel_degree
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
@@ -21,6 +20,7 @@ from titan_upipe.torchtitan_0_2.config import (
     OptimizerHostState,
     plugin_fields,
 )
+from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 
 POSITIVE_TRAINING_KEYS = {

@@ -36,7 +36,7 @@ from __future__ import annotations
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.tools.logging import logger
 
-from titan_upipe.data.builders import PLUGIN_DATASETS
+from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS
 from titan_upipe.torchtitan_0_2.job_assets.checkpoint_files import checkpoint_keys
 from titan_upipe.torchtitan_0_2.job_assets.checkpoints import (
     check_checkpoint_settings,

@@ -14,9 +14,9 @@ import glob
 import os
 import re
 
-from titan_upipe.data.builders import PLUGIN_DATASETS, loader_state_keys
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, expand_paths
 from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS, loader_state_keys
 from titan_upipe.torchtitan_0_2.job_assets.checkpoint_files import (
     check_shards,
     model_shapes,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from titan_upipe.parallel.cp_layout import check_cp_degree, resolve_heads_per_stage
+from titan_upipe.spec.cp_layout import check_cp_degree, resolve_heads_per_stage
 
 HeadRun = tuple[int, ...]
 
@@ -180,3 +180,8 @@ def verify_schedule(schedule: HeadSchedule) -> None:
         seen.extend(stage.query_heads)
     if sorted(seen) != list(range(h)):
         raise ScheduleError(f"query heads are not covered exactly once: {sorted(seen)}")
+
+
+INPUT_GRAD_TILES = 8
+"""Token tiles of the final dX GEMM (``ProjectionGrads.input_grad``): its concatenated operand is
+1/8 of ``[tokens, (H+2KV)*D]`` at a time (the memory model, ``costs.attention_memory``, counts it)."""

@@ -200,6 +200,29 @@ def check_sequence_length(seq_len: int, ring_degree: int, ulysses_degree: int, k
                       f"use a multiple of {unit} (e.g. {seq_len - seq_len % unit or unit})")
 
 
+def layout_degrees(mode: CPMode | None, cp: int, ulysses_setting: int = 0, n_heads: int = 0,
+                   n_kv_heads: int = 0) -> tuple[int, int, bool]:
+    """``(ring degree, ulysses degree, 2-D mesh?)`` of a mode on ``cp`` ranks with ``[upipe]
+    ulysses_degree``, or LayoutError (the heads only name the CP degrees to suggest): the degrees
+    part of :class:`CPLayout`, for a caller that needs no heads checked."""
+    if mode is None:
+        if cp > 1:
+            raise ConfigError(
+                f"parallelism.context_parallel_degree = {cp} needs a context-parallel attention converter: "
+                f"add one of {', '.join(CP_MODES)} to model.converters"
+            )
+        return 1, 1, False
+    if cp < 2:
+        degrees = [c for c in valid_cp_degrees(n_heads, n_kv_heads or n_heads) if c > 1]
+        raise LayoutError(f"model.converters has {mode.value!r} but parallelism.context_parallel_degree = {cp}",
+                          CP_DEGREE_KEY, degrees, "valid values are {values}" if degrees else "set it to 2 or more")
+    if cp % max(ulysses_setting, 1):
+        raise LayoutError(f"upipe.ulysses_degree = {ulysses_setting} does not divide "
+                          f"parallelism.context_parallel_degree = {cp}", ULYSSES_KEY,
+                          valid_ulysses_degrees(mode, cp), f"valid values for mode {mode.value!r} are " + "{values}")
+    return resolve_mesh_shape(mode, cp, ulysses_setting)
+
+
 @dataclass(frozen=True)
 class CPLayout:
     """A job's context-parallel layout, validated once (see the module table).
@@ -238,23 +261,7 @@ class CPLayout:
         self._check_seq_len()
 
     def _degrees(self, mode: CPMode | None) -> tuple[int, int, bool]:
-        cp = self.cp_degree
-        if mode is None:
-            if cp > 1:
-                raise ConfigError(
-                    f"parallelism.context_parallel_degree = {cp} needs a context-parallel attention converter: "
-                    f"add one of {', '.join(CP_MODES)} to model.converters"
-                )
-            return 1, 1, False
-        if cp < 2:
-            degrees = [c for c in valid_cp_degrees(self.n_heads, self.n_kv_heads or self.n_heads) if c > 1]
-            raise LayoutError(f"model.converters has {mode.value!r} but parallelism.context_parallel_degree = {cp}",
-                              CP_DEGREE_KEY, degrees, "valid values are {values}" if degrees else "set it to 2 or more")
-        if cp % max(self.ulysses_setting, 1):
-            raise LayoutError(f"upipe.ulysses_degree = {self.ulysses_setting} does not divide "
-                              f"parallelism.context_parallel_degree = {cp}", ULYSSES_KEY,
-                              valid_ulysses_degrees(mode, cp), f"valid values for mode {mode.value!r} are " + "{values}")
-        return resolve_mesh_shape(mode, cp, self.ulysses_setting)
+        return layout_degrees(mode, self.cp_degree, self.ulysses_setting, self.n_heads, self.n_kv_heads)
 
     def _heads_per_stage(self, mode: CPMode | None, ring: int, ulysses: int) -> int:
         if mode is None or not self.n_heads:

@@ -69,8 +69,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from titan_upipe.resources import resource
 
 KERNEL_SPEED_CSV = resource("kernel_speed.csv")
@@ -87,10 +85,11 @@ ASSUMED_TFLOPS = 150.0
 """fwd and bwd rate where nothing measures a backend: an assumption, deliberately low (below what
 FA2-class kernels reach on an H100), so that unmeasured work is not planned into a call it does not fit."""
 
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+"""Training dtypes by ``torch``'s name, as the table writes them (this module imports no torch)."""
 
 # GPUs by the model word of their name, for rows written before the ``arch`` column and for device
-# names alone; a GPU in use is asked for its compute capability instead (``current_arch``)
+# names alone; a GPU in use is asked for its compute capability instead (``attention.backends.current_arch``)
 DEVICE_ARCHS = {"A100": "sm80", "A800": "sm80", "A30": "sm80", "A10": "sm86", "A40": "sm86", "L4": "sm89",
                 "L40": "sm89", "L40S": "sm89", "H100": "sm90", "H800": "sm90", "H200": "sm90", "H20": "sm90",
                 "GH200": "sm90", "B200": "sm100", "GB200": "sm100", "B300": "sm103", "GB300": "sm103"}
@@ -120,17 +119,12 @@ def arch_of_device(name: str) -> str | None:
     return None
 
 
-def current_arch() -> str | None:
-    """The architecture of this process's CUDA device (None without one)."""
-    return arch_of_capability(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-
-
-def dtype_name(dtype: torch.dtype | str | None) -> str | None:
-    """``torch.bfloat16`` (or ``"bfloat16"``) -> ``"bf16"``, as the table writes it."""
-    if dtype is None or dtype in DTYPE_NAMES.values():
-        return dtype
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+def dtype_name(dtype) -> str | None:
+    """``torch.bfloat16`` (or ``"bfloat16"``, or ``"bf16"``) -> ``"bf16"``, as the table writes it."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_NAMES.get(name, name)
 
 
 def default_order(arch: str | None, candidates: tuple[str, ...] = DEFAULT_ORDER) -> tuple[str, ...]:
@@ -192,7 +186,7 @@ def write_rows(rows: list[dict], device: str, path: Path = KERNEL_SPEED_CSV, pas
 
 
 def job_rows(rows: list[dict[str, str]], arch: str, head_dim: int | None = None,
-             dtype: torch.dtype | str | None = None) -> list[dict[str, str]]:
+             dtype: object = None) -> list[dict[str, str]]:
     """The timed dense rows of ``arch`` with a passing contract that a job of ``head_dim`` and
     ``dtype`` is judged by: those of its head_dim and dtype where ``arch`` has any, else all."""
     timed = [r for r in rows if r["arch"] == arch and r["kind"] == "dense" and r["contract"] == "ok"
@@ -208,7 +202,7 @@ def _geomean(values: list[float]) -> float:
 
 
 def scores(rows: list[dict[str, str]], arch: str, head_dim: int | None = None,
-           dtype: torch.dtype | str | None = None) -> dict[str, float]:
+           dtype: object = None) -> dict[str, float]:
     """Per backend measured on ``arch`` with a passing contract: the geometric mean of its rows'
     fwd + bwd TFLOP/s (``job_rows``: the job's head_dim and dtype where measured)."""
     by_backend: dict[str, list[float]] = {}
@@ -240,7 +234,7 @@ def merge_order(default: tuple[str, ...], measured: dict[str, float]) -> tuple[s
 
 def measured_order(arch: str | None, candidates: tuple[str, ...] = DEFAULT_ORDER,
                    rows: list[dict[str, str]] | None = None, head_dim: int | None = None,
-                   dtype: torch.dtype | str | None = None) -> tuple[str, ...]:
+                   dtype: object = None) -> tuple[str, ...]:
     """``auto``'s order of ``candidates`` on ``arch`` for a job of ``head_dim`` and ``dtype``
     (module docstring): the measured ranking merged into the architecture's default order, failed
     contracts dropped. ``arch`` None (no GPU known): ``candidates`` as given."""
@@ -286,7 +280,7 @@ class KernelRate:
         return forwards * fwd_flops / (self.fwd_tflops * 1e12) + bwd_flops / (self.bwd_tflops * 1e12)
 
 
-def attention_rate(backend: str, arch: str | None = None, head_dim: int = 128, dtype: torch.dtype | str = "bf16",
+def attention_rate(backend: str, arch: str | None = None, head_dim: int = 128, dtype: object = "bf16",
                    rows: list[dict[str, str]] | None = None,
                    candidates: tuple[str, ...] = DEFAULT_ORDER) -> KernelRate:
     """The fwd and bwd TFLOP/s of ``backend`` on ``arch`` (None: the newest measured architecture)

@@ -1,6 +1,7 @@
 """One rank's model, built from a job config as TorchTitan's trainer builds it.
 
-The one rank builder of the tools: the rank emulator (``measure_step``) and the parity check
+The one rank builder of the tools, in the adapter (it speaks TorchTitan 0.2.2's train specs,
+converters and ``ParallelDims``): the rank emulator (``emulate.measure_step``) and the parity check
 (``titan_upipe.check``) both call :func:`build_rank_model`, which follows the trainer's
 order: train spec; flavor args (``titan_upipe.torchtitan_0_2.flavors.flavor_args``: the flavor plus
 ``update_from_config``); the model on the ``meta`` device; ``model.converters``
@@ -19,13 +20,13 @@ from typing import Any
 
 import torch
 import torchtitan.tools.utils as titan_utils
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 
 from titan_upipe.optim.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
-from titan_upipe.tools.memory_tracker import storage_bytes
 from titan_upipe.torchtitan_0_2.checks.parallelism import data_parallel_shard_degree
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 from titan_upipe.torchtitan_0_2.registry import register_plugin
@@ -37,6 +38,11 @@ def rank_device() -> torch.device:
     if titan_utils.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def param_dtype_of(job_config) -> torch.dtype:
+    """The compute dtype of the parameters (``training.mixed_precision_param``), as the trainer reads it."""
+    return TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
 
 
 def build_parallel_dims(job_config, world_size: int) -> ParallelDims:
@@ -146,11 +152,6 @@ class TrainingRank:
                 if only is None or id(param) in only:
                     tensors.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k not in on_host)
         return tensors
-
-    def resident_bytes(self) -> int:
-        """Bytes live between steps: parameters + optimizer state + buffers (gradients zeroed)."""
-        return (storage_bytes(self.params) + storage_bytes(self.optimizer_tensors())
-                + storage_bytes(list(self.model.buffers())))
 
     def materialize_optimizer_state(self) -> None:
         """Adam's moments exist before a steady-state step: one optimizer step on zero gradients."""

@@ -1,4 +1,4 @@
-"""The model dimensions that decide memory, read from TorchTitan flavor args.
+"""The model dimensions that decide memory and time (pure: the adapter reads them from its flavors).
 
 Parameters per transformer block: attention ``d (2 H D + 2 KV D)`` (+ ``2 D`` q/k-norm weights
 for Qwen3), SwiGLU MLP ``3 d F``, two RMSNorm weights ``2 d``. Embedding ``V d``; output
@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_upipe.torchtitan_0_2.flavors import ffn_hidden_dim
-
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The dimensions that decide memory (TorchTitan flavor args)."""
+    """The dimensions that decide memory and time: a model's shape, whatever framework defines it."""
 
     name: str
     dim: int
@@ -78,17 +76,3 @@ class ModelDims:
             block += [(self.head_dim, 1), (self.head_dim, 1)]
         tail = [(self.vocab, d), (d, 1)] + ([] if self.tied else [(self.vocab, d)])
         return block * self.n_layers + tail
-
-
-def model_dims_from_args(name: str, args) -> ModelDims:
-    """ModelDims of a TorchTitan Llama3 ``TransformerModelArgs`` or Qwen3 ``Qwen3ModelArgs``."""
-    n_kv = args.n_kv_heads or args.n_heads
-    if hasattr(args, "hidden_dim"):  # Qwen3
-        return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
-                         head_dim=args.head_dim, ffn_dim=args.hidden_dim, vocab=args.vocab_size,
-                         tied=bool(getattr(args, "enable_weight_tying", False)), qk_norm=bool(args.qk_norm),
-                         rope="qwen3")
-    return ModelDims(name, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=n_kv,
-                     head_dim=args.dim // args.n_heads,
-                     ffn_dim=ffn_hidden_dim(args),
-                     vocab=args.vocab_size, rope="llama3")

@@ -3,14 +3,14 @@
 =================== ================================ ==========================================
 ``dataset``         tokenizer                        loader
 =================== ================================ ==========================================
-``synthetic_copy``  embedded (no files)              :class:`~titan_upipe.data.loader.GlobalBatchLoader`
-``synthetic_docs``  embedded (no files)              :class:`~titan_upipe.data.loader.GlobalBatchLoader`
-``local_text``      HF, ``model.hf_assets_path``     :class:`~titan_upipe.data.loader.GlobalBatchLoader`
+``synthetic_copy``  embedded (no files)              :class:`~titan_upipe.torchtitan_0_2.data_loader.GlobalBatchLoader`
+``synthetic_docs``  embedded (no files)              :class:`~titan_upipe.torchtitan_0_2.data_loader.GlobalBatchLoader`
+``local_text``      HF, ``model.hf_assets_path``     :class:`~titan_upipe.torchtitan_0_2.data_loader.GlobalBatchLoader`
 anything else       HF, ``model.hf_assets_path``     TorchTitan's text pipeline (HF hub datasets)
 =================== ================================ ==========================================
 
 The plugin datasets checkpoint one global cursor, so a run resumes under another
-data-parallel or CP degree (``titan_upipe.data.loader``); TorchTitan's pipeline does not.
+data-parallel or CP degree (``titan_upipe.torchtitan_0_2.data_loader``); TorchTitan's pipeline does not.
 
 Validation (``[validation]``) reads ``validation.dataset``: the synthetic datasets draw held-out
 samples (another seed), ``local_text`` packs the files of the glob ``validation.dataset_path``;
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from titan_upipe.data import tokenizer as vocab
-from titan_upipe.data.loader import GlobalBatchLoader
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, LocalTextStream, expand_paths
 from titan_upipe.data.packing import Cursor
 from titan_upipe.data.synthetic import SAMPLES, SYNTHETIC_DATASETS, VALIDATION_SEED, SyntheticCopyStream
+from titan_upipe.torchtitan_0_2.data_loader import GlobalBatchLoader
+from titan_upipe.torchtitan_0_2.datasets import build_embedded_tokenizer
 
 PLUGIN_DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
 
@@ -84,5 +84,5 @@ def build_tokenizer(job_config):
     from torchtitan.components.tokenizer import build_hf_tokenizer
 
     if job_config.training.dataset in SYNTHETIC_DATASETS:
-        return vocab.build_embedded_tokenizer()
+        return build_embedded_tokenizer()
     return build_hf_tokenizer(job_config)

@@ -1,0 +1,87 @@
+"""``JobSpec``: one training job, decided once and passed down (pure values, no torch, no TorchTitan).
+
+The TorchTitan adapter builds it from its own config, once per job (``torchtitan_0_2.job_spec``: the
+only mapping from TorchTitan's config); below the adapter the planner (``plan.spec_input``) and the
+tools read the spec, never the config. A second TorchTitan version's adapter builds the same spec
+from its own config (``docs/architecture.md``).
+
+==================  =====================================================================
+group               fields
+==================  =====================================================================
+model               ``model`` (``ModelDims``: heads, KV heads, head_dim, widths, layers,
+                    vocab, rotary kind, qk-norm), ``documents`` (packed, block-causal)
+sequence, ranks     ``seq_len``, ``local_batch``, ``world_size``; the CP settings and
+                    ``layout`` (``CPLayout``: degrees, U and sequence divisor, built once)
+kernel, documents   ``attention_backend``, ``document_balance``, ``document_min_split``
+dtypes              ``param_dtype``, ``reduce_dtype`` (torch's names: ``"bfloat16"``)
+transforms          ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``, ``fused_ce`` and tiles
+memory              activation checkpointing and its offload, optimizer state on the host,
+                    keep-attention (setting and, where known, the plan), async checkpoints
+TSP                 ``tsp_kv_heads_per_bucket``, ``tsp_overlap``, ``tsp_mlp_recompute``
+==================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from titan_upipe.spec.cp_layout import CPLayout, CPMode
+from titan_upipe.spec.keep_attention import KeepAttentionPlan
+from titan_upipe.spec.model_dims import ModelDims
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job: the model's shape and every setting the plugin's layers act on (module table)."""
+
+    model: ModelDims
+    seq_len: int
+    local_batch: int
+    world_size: int
+    """The job's ranks: the launch's ``WORLD_SIZE``, or the product of the configured degrees."""
+    mode: CPMode | None
+    """The context-parallel attention (``model.converters``); None: none."""
+    cp_degree: int
+    ulysses_setting: int
+    """``[upipe] ulysses_degree`` as written (0: all of CP for Ulysses and UPipe)."""
+    heads_per_stage_setting: int
+    """``[upipe] heads_per_stage`` as written (0: U = the Ulysses degree)."""
+    documents: bool = False
+    attention_backend: str = "auto"
+    document_balance: str = "documents"
+    document_min_split: int = 16384
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    tiled_mlp: bool = False
+    tiled_rmsnorm: bool = False
+    fused_rope: bool = False
+    fused_ce: bool = False
+    mlp_tile_tokens: int = 0
+    rmsnorm_tile_tokens: int = 0
+    ce_chunk_tokens: int = 0
+    ce_backend: str = "auto"
+    ac_mode: str = "none"
+    selective_ac_option: str = ""
+    cpu_offload: bool = False
+    pin_memory: bool = False
+    prefetch_after_attention: bool = False
+    resident_blocks: int = 0
+    optimizer_state_on_host: bool = False
+    keep_attention: str = "off"
+    keep_attention_blocks: int | None = 0
+    """Blocks that keep their attention (None: ``auto``, as many as fit)."""
+    keep_plan: KeepAttentionPlan | None = None
+    """The kept-attention plan where the settings state it or the planner sized it (None: not yet)."""
+    async_checkpoint: bool = False
+    tsp_kv_heads_per_bucket: int = 0
+    tsp_overlap: bool = True
+    tsp_mlp_recompute: bool = True
+
+    @cached_property
+    def layout(self) -> CPLayout:
+        """The job's CP layout, validated (ConfigError names the setting and the valid values) and
+        built once per spec: degrees, ring x Ulysses, U and the sequence divisor."""
+        heads = (self.model.n_heads, self.model.n_kv_heads) if self.mode is not None else (0, 0)
+        return CPLayout(self.mode, self.cp_degree, self.ulysses_setting, *heads, self.heads_per_stage_setting,
+                        self.seq_len)

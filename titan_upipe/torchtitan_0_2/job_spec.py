@@ -1,0 +1,56 @@
+"""The one mapping from TorchTitan 0.2's ``JobConfig`` to the plugin's ``JobSpec`` (``spec.job_spec``).
+
+What reads a job below the adapter reads the spec this builds: the planner (``plan.spec_input``),
+and the tools through it. The model's shape comes from the configured flavor's args, as the
+trainer would build them (TorchTitan's ``update_from_config`` aside: it changes no shape the
+spec holds); the settings from ``[upipe]``, ``[transforms]``, ``[activation_checkpoint]``,
+``[optimizer]``, ``[tsp]``, ``[checkpoint]``, ``[parallelism]`` and ``[training]``.
+"""
+
+from __future__ import annotations
+
+from titan_upipe.spec.cp_layout import cp_mode
+from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting, known_keep_attention_plan
+from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
+from titan_upipe.torchtitan_0_2.flavors import flavor_args, model_dims_from_args, packs_documents
+
+
+def degrees_world_size(parallelism) -> int:
+    """The ranks the configured degrees make: ``dp_shard`` (``-1``: 1 here) x CP x ``dp_replicate``."""
+    shard = parallelism.data_parallel_shard_degree
+    return (shard if shard > 0 else 1) * parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree
+
+
+def job_spec(job_config, world_size: int | None = None) -> JobSpec:
+    """The ``JobSpec`` of a parsed TorchTitan 0.2 ``JobConfig`` on ``world_size`` ranks (default:
+    the configured degrees' product). Raises ConfigError for a flavor or keep-attention setting it
+    cannot read; the layout is validated where it is first read (``JobSpec.layout``)."""
+    model_args = flavor_args(job_config, update=False)
+    converters = list(job_config.model.converters)
+    upipe, transforms, tsp = job_config.upipe, job_config.transforms, job_config.tsp
+    ac = job_config.activation_checkpoint
+    offload = plugin_fields(ac, ActivationCheckpointOffload)
+    where, blocks = keep_setting(job_config)
+    checkpoint = job_config.checkpoint
+    return JobSpec(
+        model=model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args),
+        seq_len=job_config.training.seq_len, local_batch=job_config.training.local_batch_size,
+        world_size=degrees_world_size(job_config.parallelism) if world_size is None else world_size,
+        mode=cp_mode(converters), cp_degree=job_config.parallelism.context_parallel_degree,
+        ulysses_setting=upipe.ulysses_degree, heads_per_stage_setting=upipe.heads_per_stage,
+        documents=packs_documents(model_args), attention_backend=upipe.attention_backend,
+        document_balance=upipe.document_balance, document_min_split=upipe.document_min_split,
+        param_dtype=job_config.training.mixed_precision_param, reduce_dtype=job_config.training.mixed_precision_reduce,
+        tiled_mlp="tiled_mlp" in converters, tiled_rmsnorm="tiled_rmsnorm" in converters,
+        fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
+        mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
+        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=transforms.ce_backend,
+        ac_mode=ac.mode, selective_ac_option=str(ac.selective_ac_option).strip(),
+        cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
+        prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
+        optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
+        keep_attention=where, keep_attention_blocks=blocks, keep_plan=known_keep_attention_plan(job_config),
+        async_checkpoint=bool(checkpoint.enable and checkpoint.async_mode != "disabled"),
+        tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
+    )
