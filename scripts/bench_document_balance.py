@@ -66,7 +66,7 @@ from titan_upipe.costs.document_balance import (  # noqa: E402
     zigzag_intervals,
 )
 from titan_upipe.costs.document_mixes import LONG_MIN, make_batch  # noqa: E402
-from titan_upipe.parallel.document_deal import row_deal, zigzag_deal  # noqa: E402
+from titan_upipe.spec.document_deal import row_deal, zigzag_deal  # noqa: E402
 
 
 def layouts(lengths: list[int], seq_len: int, R: int, min_split: int) -> dict[str, np.ndarray]:

@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import torchtitan.distributed.activation_checkpoint as titan_ac  # noqa: E402
 
 from titan_upipe.plan.block import attention_terms, block_retained  # noqa: E402
-from titan_upipe.plan.job_config import plan_input_from_job_config  # noqa: E402
 from titan_upipe.plan.sizes import StepSizes  # noqa: E402
 from titan_upipe.plan.step import plan  # noqa: E402
 from titan_upipe.torchtitan_0_2 import (
@@ -46,6 +45,7 @@ from titan_upipe.torchtitan_0_2 import (
 )
 from titan_upipe.torchtitan_0_2.checks import training as training_checks  # noqa: E402
 from titan_upipe.torchtitan_0_2.config_parse import parse_config  # noqa: E402
+from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config  # noqa: E402
 from titan_upipe.torchtitan_0_2.registry import register_plugin  # noqa: E402
 
 GIB = 1024**3

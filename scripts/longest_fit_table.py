@@ -111,10 +111,10 @@ def one_node_rows() -> list[str]:
     """The one-node Qwen3-32B recipes, as ``python -m titan_upipe.plan --job.config_file X
     --gpu-mem 80 --host-mem 1900`` plans them, and their host memory as ``validate`` counts it."""
     from titan_upipe.plan import GIB
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.tools.preflight import host_memory_needed
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
     from titan_upipe.torchtitan_0_2.registry import register_plugin
 
     register_plugin()

@@ -406,7 +406,7 @@ def test_document_ring_plan_fails_on_a_wrong_layout():
 def test_document_ring_plan_skips_blocks_with_no_visible_key():
     """Two documents, each within one ring rank's chunks, at R = 2: no rectangle crosses them."""
     from titan_upipe.attention.ring_plan import RectangleCall, document_step_calls
-    from titan_upipe.parallel.document_deal import zigzag_ring_runs
+    from titan_upipe.spec.document_deal import zigzag_ring_runs
 
     documents = [[(0, 4), (4, 8)]]  # chunks of 2 tokens: rank 0 holds chunks 0, 3; rank 1 chunks 1, 2
     runs = [zigzag_ring_runs(8, 2)]

@@ -106,8 +106,8 @@ def test_the_memory_stage_selects_and_runs_the_one_node_qwen3_recipe(monkeypatch
     from dataclasses import replace
 
     from titan_upipe.plan import plan
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
     runs = gpu_suite.plan_runs("memory", ("2.5M",), "qwen3_32b upipe_8gpu")
     assert [r.name for r in runs] == ["qwen3_32b upipe_8gpu 2.5M"]

@@ -338,7 +338,7 @@ def test_planner_llama3_8b_reaches_7m_with_the_switch():
     import io
     import json
 
-    from titan_upipe.plan.cli import main
+    from titan_upipe.tools.plan_cli import main
 
     def longest(*extra: str) -> dict:
         out = io.StringIO()

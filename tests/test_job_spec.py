@@ -34,7 +34,7 @@ print(round(time.perf_counter() - start, 3), len(loaded), loaded[:5])
 """
 
 
-@pytest.mark.parametrize("module", ["titan_upipe.plan", "titan_upipe.spec.job_spec", "titan_upipe.plan.arguments",
+@pytest.mark.parametrize("module", ["titan_upipe.plan", "titan_upipe.spec.job_spec", "titan_upipe.tools.plan_arguments",
                                     "titan_upipe.costs"])
 def test_the_planner_and_the_spec_load_neither_torch_nor_torchtitan(module):
     out = subprocess.run([sys.executable, "-c", PURE_IMPORT.format(module=module)], capture_output=True, text=True,
@@ -97,3 +97,23 @@ def test_the_spec_is_a_frozen_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seq_len = 1  # type: ignore[misc]
     assert isinstance(spec, JobSpec) and isinstance(spec.layout, CPLayout)
+
+
+def test_a_spec_refuses_a_dtype_the_planner_cannot_size():
+    spec = job_spec(parse_config(["--job.config_file", str(REPO / "configs/debug/upipe.toml")], quiet=True))
+    with pytest.raises(ValueError, match="param_dtype = 'float64': valid values are float32, bfloat16, float16"):
+        dataclasses.replace(spec, param_dtype="float64")
+
+
+def test_the_kernel_table_reads_dtypes_by_name_and_refuses_one_it_does_not_measure():
+    """``costs.kernel_speed`` imports no torch: a dtype is read by its name; one the table does not
+    measure is refused (it would match no row, and the job would be judged by every row)."""
+    import torch
+
+    from titan_upipe.costs.kernel_speed import dtype_name
+
+    assert [dtype_name(d) for d in (torch.bfloat16, "bfloat16", "bf16", torch.float16, "half", torch.float32)] == \
+        ["bf16", "bf16", "bf16", "fp16", "fp16", "fp32"]
+    assert dtype_name(None) is None
+    with pytest.raises(ValueError, match="dtype torch.float64: the kernel table measures bf16, fp16, fp32"):
+        dtype_name(torch.float64)

@@ -414,10 +414,10 @@ def emulated() -> dict[str, list[dict]]:
 def test_emulated_kept_bytes_are_the_planners_term(emulated):
     """Per block, on the device: the emulator's tracked bytes a block keeps after its forward grow by
     exactly the planner's term; on the host: the offloaded bytes grow by it (pageable, exact)."""
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.kept import kept_bytes, kept_tensor_bytes
     from titan_upipe.plan.sizes import StepSizes
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
     from titan_upipe.torchtitan_0_2.registry import register_plugin
 
     register_plugin()

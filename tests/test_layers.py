@@ -19,10 +19,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 
 LAYERS = {
-    "core": ("errors", "resources", "spec", "parallel", "attention", "transforms", "tsp", "optim", "costs",
+    "core": ("errors", "resources", "spec", "plan", "parallel", "attention", "transforms", "tsp", "optim", "costs",
              "contracts"),
     "glue": ("torchtitan_0_2", "data", "plugin", "config"),
-    "tools": ("toolkit", "tools", "plan", "emulate", "train", "validate", "check", "gpu_suite"),
+    "tools": ("toolkit", "tools", "emulate", "train", "validate", "check", "gpu_suite"),
 }
 """Folders (and the root's few modules) by layer: ``errors`` is the error type; ``plugin`` and
 ``config`` are TorchTitan's entry points (``custom_import``, ``custom_config_module``); ``train``,
@@ -32,7 +32,7 @@ MAX_ROOT_MODULES = 12
 ORDER = {"core": 0, "glue": 1, "tools": 2}
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
-PURE_FOLDERS = ("spec", "costs")
+PURE_FOLDERS = ("spec", "costs", "plan")
 """Folders of arithmetic alone: they import neither torch nor TorchTitan (the planner reads them)."""
 ADAPTER = "torchtitan_0_2"
 TORCHTITAN_OUTSIDE_ADAPTER: set[str] = set()
@@ -70,6 +70,10 @@ def _imports(tree: ast.Module, module: str, is_package: bool) -> list[tuple[str,
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parts, base] if base else parts)
             names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            names = [node.args[0].value]  # importlib.import_module("torch"), __import__("torchtitan.x")
         else:
             continue
         found += [(name, id(node) not in top_level) for name in names]
@@ -95,6 +99,8 @@ def package_graph(root: Path = PACKAGE) -> tuple[dict[str, set[str]], dict[str, 
 
 
 def layer_of(module: str) -> str | None:
+    if module.endswith(f".{ENTRY_MODULE}"):
+        return "tools"  # a ``-m`` entry module: a command, wherever its folder sits
     first = module.split(".")[1] if "." in module else ""
     return next((layer for layer, names in LAYERS.items() if first in names), None)
 
@@ -134,10 +140,27 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def loaded_by(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """The package's modules an import of ``module`` runs: its imports, theirs, and so on, each with
+    its parent packages (importing ``a.b.c`` runs ``a/b/__init__.py`` first)."""
+    seen: set[str] = set()
+    stack = [module]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in graph:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        stack += [".".join(parts[:i]) for i in range(2, len(parts))] + sorted(graph[name])
+    return seen
+
+
 def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The import graph between the package's folders (and root modules): ``a -> b`` where a module
     of ``a`` imports one of ``b``."""
     def folder(module: str) -> str:
+        if module.endswith(f".{ENTRY_MODULE}"):
+            return module  # a ``-m`` command sits above every folder, its own among them
         return module.split(".")[1] if "." in module else module
 
     folders: dict[str, set[str]] = {folder(m): set() for m in graph}
@@ -159,11 +182,14 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
         problems += [f"{module} ({layer}) imports {t} ({layer_of(t)}): imports must point down"
                      for t in sorted(targets) if layer_of(t) and ORDER[layer_of(t)] > ORDER[layer]]
     problems += [f"folder import cycle: {' <-> '.join(c)}" for c in cycles(folder_graph(graph))]
+    for module in sorted(graph):
+        folder = module.split(".")[1] if "." in module else ""
+        if folder in PURE_FOLDERS and not module.endswith(ENTRY_MODULE):
+            problems += [f"{module} ({folder}: arithmetic) imports {t}" + (f" (through {m})" if m != module else "")
+                         for m in sorted(loaded_by(module, graph)) for t in external[m]
+                         if t.split(".")[0] in ("torch", "torchtitan")]
     for module, targets in sorted(external.items()):
         folder = module.split(".")[1] if "." in module else ""
-        if folder in PURE_FOLDERS:
-            problems += [f"{module} ({folder}: arithmetic) imports {t}" for t in targets
-                         if t.split(".")[0] in ("torch", "torchtitan")]
         if module in TORCHTITAN_OUTSIDE_ADAPTER and not any(t.split(".")[0] == "torchtitan" for t in targets):
             problems.append(f"{module} imports no TorchTitan any more: take it off TORCHTITAN_OUTSIDE_ADAPTER")
         if folder != ADAPTER and module not in TORCHTITAN_OUTSIDE_ADAPTER:
@@ -171,9 +197,11 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
                          if t.split(".")[0] == "torchtitan"]
     for module, tree in sorted(trees.items()):
         if module not in LAYOUT_BUILDERS:
+            names = {"CPLayout"} | {alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                                    for alias in node.names if alias.name == "CPLayout" and alias.asname}
             problems += [f"{module}:{node.lineno} constructs a CPLayout: read the job's (JobSpec.layout) instead"
                          for node in ast.walk(tree) if isinstance(node, ast.Call)
-                         and getattr(node.func, "id", getattr(node.func, "attr", None)) == "CPLayout"]
+                         and getattr(node.func, "id", getattr(node.func, "attr", None)) in names]
         problems += [f"{module}: imports {t} inside a function" for t, lazy in _imports(tree, module, False)
                      if lazy and t.startswith(root.name) and not module.endswith(ENTRY_MODULE)]
         path = root.parent.joinpath(*module.split("."))
@@ -223,13 +251,24 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
         ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
         ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
         # a folder-level circle without a module cycle (what attention <-> parallel was before issue 43)
-        ("titan_upipe.parallel.document_deal", "\nfrom titan_upipe.attention.collectives import all_to_all\n",
+        ("titan_upipe.spec.document_deal", "\nfrom titan_upipe.attention.collectives import all_to_all\n",
          "folder import cycle"),
         ("titan_upipe.spec.units", "\nimport torch\n", "(spec: arithmetic) imports torch"),
         ("titan_upipe.costs.attention_comm", "\nimport torch\n", "(costs: arithmetic) imports torch"),
         ("titan_upipe.plan.search", "\nimport torchtitan.tools.logging\n", "imported in torchtitan_0_2/ only"),
         ("titan_upipe.data.packing", "\nimport torchtitan\n", "imported in torchtitan_0_2/ only"),
         ("titan_upipe.torchtitan_0_2.converters", "\n\ndef _own():\n    return CPLayout(None)\n", "constructs a CPLayout"),
+        ("titan_upipe.torchtitan_0_2.converters",
+         "\nfrom titan_upipe.spec.cp_layout import CPLayout as Layout\n\n\ndef _own():\n    return Layout(None)\n",
+         "constructs a CPLayout"),
+        # torch reached through another module: costs -> parallel (its __init__ imports torch)
+        ("titan_upipe.costs.attention_comm", "\nfrom titan_upipe.parallel import layout\n",
+         "(costs: arithmetic) imports torch"),
+        ("titan_upipe.attention.ring", "\n\ndef _late():\n    importlib.import_module('torchtitan.models')\n",
+         "imported in torchtitan_0_2/ only"),
+        ("titan_upipe.spec.units", "\n\ndef _late():\n    return __import__('torch')\n", "(spec: arithmetic) imports torch"),
+        # a deferred import of the package: refused in a module, allowed in a -m entry module only
+        ("titan_upipe.tools.plan_cli", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
     ],
 )
 def test_each_rule_catches_its_breakage(tmp_path, module, code, expected):

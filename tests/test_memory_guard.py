@@ -1,4 +1,4 @@
-"""The memory guard (``plan/guard.py``, issue 42): a job the planner predicts will not fit is
+"""The memory guard (``torchtitan_0_2/memory_guard.py``, issue 42): a job the planner predicts will not fit is
 refused before anything is allocated, naming the prediction, what the machine has and the
 longest ``training.seq_len`` that fits; the trainer, the emulator and the parity check run it.
 
@@ -20,13 +20,18 @@ from trainer_utils import REPO
 
 from titan_upipe.emulate import cli as emulate_cli
 from titan_upipe.emulate.measure import measure_step
-from titan_upipe.plan import guard
-from titan_upipe.plan.guard import MemoryDoesNotFit, check_memory_fits, memory_problem, target_machine
-from titan_upipe.plan.job_config import MachineMemory
+from titan_upipe.plan.machine import MachineMemory
 from titan_upipe.spec.units import GIB
 from titan_upipe.tools import parity
 from titan_upipe.torchtitan_0_2 import launch as train
+from titan_upipe.torchtitan_0_2 import memory_guard as guard
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.memory_guard import (
+    MemoryDoesNotFit,
+    check_memory_fits,
+    memory_problem,
+    target_machine,
+)
 
 HUGE = 2**40
 UPIPE = str(REPO / "configs/debug/llama3_upipe.toml")  # CP = 2, U = C = 2, local batch 2

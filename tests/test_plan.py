@@ -20,10 +20,10 @@ import pytest
 from plan_jobs import GIB, LLAMA, REPO, emulated_peaks, gpu_job
 
 from titan_upipe import plan as P
-from titan_upipe.plan.cli import main as plan_main
-from titan_upipe.plan.job_config import plan_from_job_config
 from titan_upipe.spec.cp_layout import valid_heads_per_stage
+from titan_upipe.tools.plan_cli import main as plan_main
 from titan_upipe.torchtitan_0_2.flavors import model_dims_from_args
+from titan_upipe.torchtitan_0_2.job_plan import plan_from_job_config
 
 
 def test_lengths_parse_like_the_configs():
@@ -363,7 +363,7 @@ def test_which_blocks_prefetch_an_offloaded_input():
 PLANNER_ALONE = """
 import contextlib, io, sys, time
 import titan_upipe.plan
-from titan_upipe.plan.cli import main
+from titan_upipe.tools.plan_cli import main
 loaded = "torchtitan.train" in sys.modules
 times = []
 for argv in (["--model", "llama3_8b", "--seq-len", "1M", "--cp", "8", "--ulysses", "8", "--gpu-mem", "80", "--json"],

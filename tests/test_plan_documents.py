@@ -15,8 +15,8 @@ from plan_jobs import LLAMA, gpu_job
 from titan_upipe import plan as P
 from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.plan import documents as D
-from titan_upipe.plan.cli import main as plan_main
 from titan_upipe.toolkit.memory_tracker import LiveTensorTracker
+from titan_upipe.tools.plan_cli import main as plan_main
 
 DOC_INDEX = "document index of the global batch (int64 [B, S], every rank)"
 SHAPES = [(1, 4096, 97), (2, 4096, 7), (3, 1000, 250), (1, 777, 1000)]
@@ -101,8 +101,8 @@ def test_the_plan_holds_the_index_in_every_moment_and_adds_the_build_moments():
 
 
 def test_the_job_config_reader_takes_block_causal_from_the_model_args():
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
     from titan_upipe.torchtitan_0_2.registry import register_plugin
 
     register_plugin()

@@ -96,7 +96,7 @@ def test_kept_blocks_add_their_bytes_to_the_plan():
 def test_plan_cli_shows_the_recipes_keep_plan_and_speed():
     """The issue's check: ``plan --job.config_file configs/llama3_8b/upipe_1m.toml`` shows the keep
     plan and a predicted tokens/s/GPU of at least 580 with the measured FA4 H200 rates."""
-    from titan_upipe.plan.cli import main
+    from titan_upipe.tools.plan_cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -110,8 +110,8 @@ def test_plan_cli_shows_the_recipes_keep_plan_and_speed():
 
 
 def test_predicted_speed_doc_rows_are_the_planners():
-    """``docs/benchmarks/predicted_speed.md``'s 1M rows against ``plan.speed_table`` now."""
-    from titan_upipe.plan.speed_table import TABLES, recipe_row
+    """``docs/benchmarks/predicted_speed.md``'s 1M rows against ``tools.speed_table`` now."""
+    from titan_upipe.tools.speed_table import TABLES, recipe_row
     from titan_upipe.torchtitan_0_2.registry import register_plugin
 
     register_plugin()

@@ -17,8 +17,8 @@ import pytest
 from plan_jobs import GIB, REPO, emulated_peaks
 
 from titan_upipe import plan as P
-from titan_upipe.plan.cli import main as plan_main
-from titan_upipe.plan.job_config import plan_from_job_config
+from titan_upipe.tools.plan_cli import main as plan_main
+from titan_upipe.torchtitan_0_2.job_plan import plan_from_job_config
 
 TSP = ["--job.config_file", "configs/debug/tsp.toml", "--training.local_batch_size", "1"]
 RECIPE = ["--model.converters", "tsp,tiled_rmsnorm,fused_ce", "--transforms.ce_backend", "torch",

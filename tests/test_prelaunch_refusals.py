@@ -20,9 +20,9 @@ from text_assets import BOS, write_corpus, write_tokenizer
 from trainer_utils import REPO
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.plan.guard import prepare_launch
 from titan_upipe.tools import preflight as validate
 from titan_upipe.torchtitan_0_2 import launch
+from titan_upipe.torchtitan_0_2.memory_guard import prepare_launch
 
 UPIPE = str(REPO / "configs/debug/llama3_upipe.toml")  # CP 2, float32, synthetic_copy
 DOCS = str(REPO / "configs/debug/llama3_upipe_docs.toml")  # debug_flex (block_causal), synthetic_docs, CP 2
@@ -92,7 +92,7 @@ CASES = [
      r"a CUDA build of torch, or set TITAN_UPIPE_DEVICE=cpu to train on the CPU$"),
     ("device-typo", UPIPE, 2, lambda tmp, a: [], {"TITAN_UPIPE_DEVICE": "gpu"}, None,
      r"^TITAN_UPIPE_DEVICE=gpu is invalid: valid values are auto, cpu, cuda"),
-    # the launch's memory guard (plan.guard.prepare_launch): a float32 job on this CPU machine
+    # the launch's memory guard (torchtitan_0_2.memory_guard.prepare_launch): a float32 job on this CPU machine
     ("a-length-no-machine-holds", UPIPE, 2, lambda tmp, a: ["--training.seq_len", str(2**40)], {}, None,
      r"^training.seq_len = 1,099,511,627,776 does not fit: the memory planner predicts [\d,.]+ GiB per rank"),
     ("replicas-without-sharding", FSDP, 2,
@@ -180,7 +180,8 @@ def test_a_loader_saves_the_keys_the_checkpoint_check_expects(assets):
 # --- the walk: every refusal after process-group start is met before launch ----------------------
 
 PRE_LAUNCH = ("checks/", "job_assets/", "launch.py", "config.py", "config_parse.py", "config_file.py", "flavors.py",
-              "specs.py", "registry.py", "cpu_runtime.py", "torchtitan_launch.py")
+              "specs.py", "registry.py", "cpu_runtime.py", "torchtitan_launch.py", "job_spec.py", "job_plan.py",
+              "memory_guard.py", "model_classes.py", "datasets.py")
 """Modules of ``torchtitan_0_2/`` that run before the process groups start (the rest, and ``data/``,
 run after: the trainer builds them)."""
 

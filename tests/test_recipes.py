@@ -130,10 +130,10 @@ def test_every_gpu_recipe_is_a_resumable_training_job():
 def test_llama3_8b_past_5m_recipes_fit_by_the_planner():
     """Issue 18 (planner predictions): upipe_6m fits 8 x 80 GiB and 1,900 GiB of host per node as
     it is; upipe_7m only with the late prefetch of offloaded inputs, which it sets."""
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.spec.units import GIB
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length, late in (("6m", False), ("7m", True)):
@@ -152,10 +152,10 @@ def test_qwen3_32b_past_4m_recipes_fit_by_the_planner():
     as it is; upipe_usp_6m with the late prefetch and the last block's input on the device."""
     from dataclasses import replace
 
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.spec.units import GIB
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     for length in ("5m", "6m"):
@@ -183,11 +183,11 @@ def test_qwen3_32b_one_node_recipes_fit_by_the_planner(suffix, capsys):
     import re
     from dataclasses import replace
 
-    from titan_upipe.plan.job_config import plan_input_from_job_config
     from titan_upipe.plan.step import plan
     from titan_upipe.spec.units import GIB
     from titan_upipe.tools import preflight as validate
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
     gpu, host = 80 * GIB, 1900 * GIB
     path = REPO / f"configs/qwen3_32b/upipe_8gpu_{suffix}.toml"

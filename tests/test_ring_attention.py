@@ -279,7 +279,7 @@ def test_matrix_covers_the_issue() -> None:
 def test_the_balanced_rows_run_a_split_for_balance_and_the_fixed_zigzag():
     """What the issue-42 cases above run (pure, no processes): ``SPLIT_ROWS`` a document over 3 of 4 ring
     ranks and a row on the zigzag's runs; ``ZIGZAG_ROWS`` the zigzag's runs for both rows."""
-    from titan_upipe.parallel.document_deal import batch_deals, zigzag_ring_runs
+    from titan_upipe.spec.document_deal import batch_deals, zigzag_ring_runs
 
     split, zigzag_row = batch_deals(SPLIT_ROWS, 4, 8)
     owners = {rank for rank, runs in enumerate(split.runs) for a, _ in runs if a < 7}

@@ -124,7 +124,7 @@ def test_a_cp_toml_without_the_section_stops_before_launch_and_validate_reports_
 
 
 def test_the_planner_plans_the_full_ac_selective_settings_as_full_and_no_other(upipe_job):
-    from titan_upipe.plan.job_config import plan_input_from_job_config
+    from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
     for option in ("op", "1"):
         assert plan_input_from_job_config(with_ac(upipe_job, "selective", option), 2).ac_mode == "full"

@@ -19,10 +19,10 @@ from trainer_utils import REPO
 import titan_upipe.errors as errors
 from titan_upipe.emulate import cli as emulate
 from titan_upipe.errors import ConfigError
-from titan_upipe.plan import cli as plan
-from titan_upipe.plan.job_config import MachineMemory
+from titan_upipe.plan.machine import MachineMemory
 from titan_upipe.toolkit.cli_args import parse_length
 from titan_upipe.tools import gpu_suite, parity
+from titan_upipe.tools import plan_cli as plan
 from titan_upipe.tools import preflight as validate
 from titan_upipe.torchtitan_0_2 import torchtitan_launch
 from titan_upipe.torchtitan_0_2.config_parse import parse_config

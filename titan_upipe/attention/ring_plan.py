@@ -50,7 +50,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from titan_upipe.parallel.layout import zigzag_chunks
+from titan_upipe.spec.document_deal import zigzag_chunks
 
 
 class BlockKind(enum.Enum):

@@ -43,8 +43,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from titan_upipe.parallel.document_deal import Deal, batch_deals, row_deal, zigzag_deal
-from titan_upipe.parallel.document_deal import split_threshold as split_threshold  # read from here too
+from titan_upipe.spec.document_deal import Deal, batch_deals, row_deal, zigzag_deal
+from titan_upipe.spec.document_deal import split_threshold as split_threshold  # read from here too
 
 Array = np.ndarray
 

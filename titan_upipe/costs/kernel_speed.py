@@ -85,7 +85,10 @@ ASSUMED_TFLOPS = 150.0
 """fwd and bwd rate where nothing measures a backend: an assumption, deliberately low (below what
 FA2-class kernels reach on an H100), so that unmeasured work is not planned into a call it does not fit."""
 
-DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DTypeLike = object
+"""A ``torch.dtype`` or its name (``"bfloat16"``, ``"bf16"``): read by its name, so this module needs no torch."""
+
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 """Training dtypes by ``torch``'s name, as the table writes them (this module imports no torch)."""
 
 # GPUs by the model word of their name, for rows written before the ``arch`` column and for device
@@ -119,12 +122,18 @@ def arch_of_device(name: str) -> str | None:
     return None
 
 
-def dtype_name(dtype) -> str | None:
-    """``torch.bfloat16`` (or ``"bfloat16"``, or ``"bf16"``) -> ``"bf16"``, as the table writes it."""
+def dtype_name(dtype: DTypeLike | None) -> str | None:
+    """``torch.bfloat16`` (or ``"bfloat16"``, ``"bf16"``) -> ``"bf16"``, as the table writes it; ValueError
+    for a name that is neither (it would match no row and leave the job judged by every row)."""
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.")
-    return DTYPE_NAMES.get(name, name)
+    if name in DTYPE_NAMES.values():
+        return name
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r}: the kernel table measures {', '.join(sorted(set(DTYPE_NAMES.values())))} "
+                         f"({', '.join(DTYPE_NAMES)})")
+    return DTYPE_NAMES[name]
 
 
 def default_order(arch: str | None, candidates: tuple[str, ...] = DEFAULT_ORDER) -> tuple[str, ...]:
@@ -186,7 +195,7 @@ def write_rows(rows: list[dict], device: str, path: Path = KERNEL_SPEED_CSV, pas
 
 
 def job_rows(rows: list[dict[str, str]], arch: str, head_dim: int | None = None,
-             dtype: object = None) -> list[dict[str, str]]:
+             dtype: DTypeLike | None = None) -> list[dict[str, str]]:
     """The timed dense rows of ``arch`` with a passing contract that a job of ``head_dim`` and
     ``dtype`` is judged by: those of its head_dim and dtype where ``arch`` has any, else all."""
     timed = [r for r in rows if r["arch"] == arch and r["kind"] == "dense" and r["contract"] == "ok"
@@ -202,7 +211,7 @@ def _geomean(values: list[float]) -> float:
 
 
 def scores(rows: list[dict[str, str]], arch: str, head_dim: int | None = None,
-           dtype: object = None) -> dict[str, float]:
+           dtype: DTypeLike | None = None) -> dict[str, float]:
     """Per backend measured on ``arch`` with a passing contract: the geometric mean of its rows'
     fwd + bwd TFLOP/s (``job_rows``: the job's head_dim and dtype where measured)."""
     by_backend: dict[str, list[float]] = {}
@@ -234,7 +243,7 @@ def merge_order(default: tuple[str, ...], measured: dict[str, float]) -> tuple[s
 
 def measured_order(arch: str | None, candidates: tuple[str, ...] = DEFAULT_ORDER,
                    rows: list[dict[str, str]] | None = None, head_dim: int | None = None,
-                   dtype: object = None) -> tuple[str, ...]:
+                   dtype: DTypeLike | None = None) -> tuple[str, ...]:
     """``auto``'s order of ``candidates`` on ``arch`` for a job of ``head_dim`` and ``dtype``
     (module docstring): the measured ranking merged into the architecture's default order, failed
     contracts dropped. ``arch`` None (no GPU known): ``candidates`` as given."""
@@ -280,7 +289,7 @@ class KernelRate:
         return forwards * fwd_flops / (self.fwd_tflops * 1e12) + bwd_flops / (self.bwd_tflops * 1e12)
 
 
-def attention_rate(backend: str, arch: str | None = None, head_dim: int = 128, dtype: object = "bf16",
+def attention_rate(backend: str, arch: str | None = None, head_dim: int = 128, dtype: DTypeLike | None = "bf16",
                    rows: list[dict[str, str]] | None = None,
                    candidates: tuple[str, ...] = DEFAULT_ORDER) -> KernelRate:
     """The fwd and bwd TFLOP/s of ``backend`` on ``arch`` (None: the newest measured architecture)

@@ -1,1 +1,2 @@
-"""Data: the embedded tokenizer and synthetic copy task, local text corpora, and the global-batch loader."""
+"""Data without TorchTitan: the embedded tokenizer's files, the synthetic copy and document tasks, local
+text corpora and packing (TorchTitan's loaders over them: ``torchtitan_0_2.data_builders``, ``data_loader``)."""

@@ -1,7 +1,7 @@
 """Rank emulator: one rank of an N-rank context-parallel job, measured in a single process.
 
 ``measure_step(job_config, world_size, fake=...)`` builds the configured model for one rank
-exactly as TorchTitan's trainer does (``rank.py``, the builder ``titan_upipe.check`` shares:
+exactly as TorchTitan's trainer does (``torchtitan_0_2.rank_model``, the builder ``titan_upipe.check`` shares:
 train spec, flavor args + ``update_from_config``, meta device, ``model.converters``, the
 spec's ``parallelize_fn`` — AC then FSDP —, ``to_empty``, ``init_weights``, the spec's
 optimizer builder and loss) and runs training steps on a synthetic batch sharded in the
@@ -122,13 +122,14 @@ API (stable; the memory planner compares against it)::
 A fake measurement needs a process without a default process group (it starts and ends a
 fake one); run it in a subprocess where other code uses ``torch.distributed``.
 
-Modules: ``rank`` (one rank's model, optimizers and loss from a job config), ``step`` (one
+Modules: ``step`` (one
 tracked training step -> ``StepResult``; the steps of a measurement -> ``StepSeries``),
 ``timers`` (block and attention wall time), ``compile_pass`` (the kernels' first use before
 step 1), ``series`` (warm-up, timed steps, the reported one), ``extrapolate`` (fewer layers ->
 the full depth), ``measure`` (``measure_step`` -> ``StepMeasurement``), ``cli``
-(``python -m titan_upipe.emulate``: the report, ``--json``, ``--summarize``). The tracker (``StepTracker``, ``storage_bytes``) is
-core, in ``titan_upipe.toolkit.memory_tracker``; the communication count (``CommBytes``,
+(``python -m titan_upipe.emulate``: the report, ``--json``, ``--summarize``). One rank's model, optimizers and loss from a job config come from the adapter
+(``titan_upipe.torchtitan_0_2.rank_model``); the tracker (``StepTracker``, ``storage_bytes``) is
+the tools' own, in ``titan_upipe.toolkit.memory_tracker``; the communication count (``CommBytes``,
 ``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.costs.attention_comm``.
 """
 

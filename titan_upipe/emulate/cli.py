@@ -33,7 +33,7 @@ Table 4 (peak memory) and Table 5 (step time) from ``titan_upipe/resources/paper
 
 A command or a job that cannot run (``--cp-world 0``, a world size the degrees do not fit, a
 length the layout cannot shard, a job the memory planner predicts will not fit this machine with
-the blocks built: ``plan.guard``) is one line, ``titan_upipe.emulate: error: ...``, printed once
+the blocks built: ``torchtitan_0_2.memory_guard``) is one line, ``titan_upipe.emulate: error: ...``, printed once
 (rank 0 under torchrun) before any process group starts, exit status 2; with ``--json`` a
 memory refusal is also a record with ``"oom": true``.
 """
@@ -52,7 +52,6 @@ import torch.distributed as dist
 
 from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, measure_step
 from titan_upipe.errors import ConfigError, exit_once
-from titan_upipe.plan.guard import MemoryDoesNotFit, check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.resources.paper_tables import LENGTH_COLUMNS, PAPER_TABLES_CSV, cell_value, paper_rows
 from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.toolkit.cli_args import (
@@ -64,6 +63,12 @@ from titan_upipe.toolkit.cli_args import (
 )
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.memory_guard import (
+    MemoryDoesNotFit,
+    check_memory_fits,
+    free_machine_memory,
+    local_ranks,
+)
 from titan_upipe.torchtitan_0_2.rank_model import rank_device
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 

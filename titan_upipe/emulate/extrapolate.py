@@ -96,7 +96,7 @@ class KeptBlocks:
     """Kept attention in the measured model and in the full one (module docstring)."""
 
     bytes_per_block: float = 0.0
-    """``k``: ``attention.keep.kept_attention_bytes`` of the job (equal to the measured bytes)."""
+    """``k``: ``spec.keep_attention.kept_attention_bytes`` of the job (equal to the measured bytes)."""
     measured_device: int = 0
     measured_host: int = 0
     full_device: int = 0

@@ -34,8 +34,6 @@ from titan_upipe.emulate.extrapolate import (
 from titan_upipe.emulate.series import StepSeries
 from titan_upipe.emulate.step import StepResult, run_steps
 from titan_upipe.parallel.mesh import ulysses_part
-from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
-from titan_upipe.plan.job_config import size_keep_attention_of_job
 from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.spec.keep_attention import NO_KEEP, kept_attention_bytes
 from titan_upipe.toolkit.memory_tracker import storage_bytes
@@ -45,6 +43,8 @@ from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
     plugin_fields,
 )
+from titan_upipe.torchtitan_0_2.job_plan import size_keep_attention_of_job
+from titan_upipe.torchtitan_0_2.memory_guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.torchtitan_0_2.rank_model import (
     TrainingRank,
     build_training_rank,
@@ -419,7 +419,7 @@ def measure_step(
     at every attention boundary; off leaves ``attention_*`` at 0).
     ``full_layers``: the depth ``full`` extrapolates to (default: the flavor's ``n_layers``).
     A rank the memory planner predicts will not fit this machine (with ``n_layers`` blocks) is
-    refused before anything is allocated (``plan.guard.MemoryDoesNotFit``, a ConfigError).
+    refused before anything is allocated (``torchtitan_0_2.memory_guard.MemoryDoesNotFit``, a ConfigError).
     """
     register_plugin()
     if steps < 1 or warmup_steps < 0:

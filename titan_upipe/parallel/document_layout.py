@@ -62,8 +62,8 @@ from functools import cached_property
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.document_deal import Runs, batch_deals, row_deal, split_threshold
 from titan_upipe.parallel.layout import RingUlyssesRanks, shard_at_positions, unshard_from_positions
+from titan_upipe.spec.document_deal import Runs, batch_deals, row_deal, split_threshold
 from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 

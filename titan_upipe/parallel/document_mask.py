@@ -21,10 +21,10 @@ from typing import Literal
 import torch
 
 from titan_upipe.errors import ConfigError, with_suggestion
-from titan_upipe.parallel.document_deal import zigzag_ring_runs
 from titan_upipe.parallel.document_layout import BatchDocumentLayout
 from titan_upipe.parallel.mesh import mesh_degrees
 from titan_upipe.parallel.sequence import layout_for
+from titan_upipe.spec.document_deal import zigzag_ring_runs
 from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
 
 Tensor = torch.Tensor

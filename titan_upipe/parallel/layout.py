@@ -23,6 +23,7 @@ import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.spec.cp_layout import check_sequence_length
+from titan_upipe.spec.document_deal import zigzag_chunks
 
 
 class SequenceLayout(Protocol):
@@ -41,14 +42,6 @@ class SequenceLayout(Protocol):
     def shard(self, t: torch.Tensor, rank: int, seq_dim: int) -> torch.Tensor: ...
 
     def unshard(self, shards: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor: ...
-
-
-def zigzag_chunks(ring_rank: int, ring_size: int) -> tuple[int, int]:
-    """The two chunks (of ``2R``) ring rank ``ring_rank`` owns, in slot order: ``r`` and ``2R-1-r``,
-    so every rank holds as many causal (query, key) pairs as any other."""
-    if not 0 <= ring_rank < ring_size:
-        raise ValueError(f"ring rank {ring_rank} outside [0, {ring_size})")
-    return ring_rank, 2 * ring_size - 1 - ring_rank
 
 
 @dataclass(frozen=True)

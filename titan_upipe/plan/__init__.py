@@ -51,15 +51,17 @@ Modules (imports point down the list):
 ``step``         the walk through one step (``StepWalk``) and ``plan``
 ``search``       ``max_seq_len``, ``longest_fit`` (and the settings it needs), ``recommended_heads_per_stage``
 ``report``       ``summary``, ``render``, the plot and the paper's Table 4
-``arguments``    ``build_parser``: the command line's arguments (``--help`` without torch)
+``machine``      ``MachineMemory``: what a node offers its ranks (plain values; detecting them is the adapter's)
 ===============  ==========================================================================
 
-Importing ``titan_upipe.plan`` loads the modules above: arithmetic, no torch, no TorchTitan
-(``tests/test_layers.py``). The modules that read a TorchTitan job are not imported here:
-``cli`` (``main``: parses a TOML, registers the plugin), ``job_config`` (a parsed TOML through
-its ``JobSpec``, the machine's memory, sizing ``keep_attention = "auto"``), ``guard`` (the memory
-guard of the launchers) and ``speed_table`` (the recipes' speed table for the docs).
-===============  ==========================================================================
+The planner is arithmetic over a ``JobSpec`` (``titan_upipe.spec``): no module here imports torch or
+TorchTitan (``tests/test_layers.py``), so it sits in the core, and the TorchTitan adapter calls it.
+What reads a TorchTitan job lives with the adapter: ``torchtitan_0_2.job_plan`` (a parsed TOML through
+its ``JobSpec``, the machine's memory, sizing ``keep_attention = "auto"``) and
+``torchtitan_0_2.memory_guard`` (the launchers' memory guard). The command line is a tool:
+``tools.plan_arguments`` (its arguments, read without torch, so ``--help`` answers at once) and
+``tools.plan_cli`` (the run); ``python -m titan_upipe.plan`` (``__main__``) reads the first, then
+imports the second.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Packed documents (``attn_mask_type = "block_causal"``): the mask metadata every rank holds.
 
-A ``DocumentMask`` (``titan_upipe.attention.documents``) is built from the *global* batch on
+A ``DocumentMask`` (``titan_upipe.parallel.document_mask``) is built from the *global* batch on
 every rank: after the all-to-all a rank attends over positions ``0 .. S-1`` of its heads, so it
 needs the document of every token, not only of its shard. With ``B`` rows of ``S`` tokens:
 

@@ -229,7 +229,7 @@ class PlanInput:
 
     @property
     def keep(self) -> KeepAttentionPlan:
-        """Which blocks keep their attention, and where (``attention.keep.KeepAttentionPlan``)."""
+        """Which blocks keep their attention, and where (``spec.keep_attention.KeepAttentionPlan``)."""
         return KeepAttentionPlan(self.keep_device_blocks, self.keep_host_blocks)
 
     def check(self) -> None:
@@ -264,7 +264,7 @@ class PlanInput:
             self.check_tsp()
 
     def check_tsp(self) -> None:
-        """TSP's own rules (``tsp.shards.tsp_problems``, the converter's checks): the degree splits
+        """TSP's own rules (``spec.tsp_shards.tsp_problems``, the converter's checks): the degree splits
         the heads, KV heads and FFN width; no data parallelism on top; the KV bucket divides ``K/D``;
         no tiled MLP, fused RoPE or host optimizer state (refused by ``validate`` too)."""
         m = self.model

@@ -1,6 +1,6 @@
 """Kept attention in the plan: what one block keeps (``attention.keep``), tensor by tensor.
 
-Per block and rank ``T H (D a + 4)`` bytes (``attention.keep.kept_attention_bytes``), recorded as
+Per block and rank ``T H (D a + 4)`` bytes (``spec.keep_attention.kept_attention_bytes``), recorded as
 the mode's tensors (their count matters in host memory, where PyTorch's pinned allocator rounds
 each one up to a power of two):
 

@@ -25,5 +25,6 @@ KNOWN_MODELS: dict[str, ModelDims] = {
 def model_dims(name: str) -> ModelDims:
     """``llama3_8b`` or ``qwen3_32b`` (a ValueError naming them for anything else)."""
     if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}: use one of {', '.join(KNOWN_MODELS)} or <model.name>:<flavor>")
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join(KNOWN_MODELS)} (a train spec's flavor, "
+                         "<model.name>:<flavor>, is read through the adapter: torchtitan_0_2.flavors.flavor_model_dims)")
     return KNOWN_MODELS[name]

@@ -14,6 +14,7 @@ the ``[gpu]`` extra, which installs flash-attn-4); the planner predicts another 
 cannot probe what is installed there."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each of ``spec.settings.DTYPES``."""
 
 
 def planned_ac_mode(spec: JobSpec) -> str:

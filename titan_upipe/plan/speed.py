@@ -16,7 +16,7 @@ recompute Q/K/V for their backward). A kept block's recomputation also skips the
 that only fed its kernel (UPipe: the stage loop's all-to-alls; ring: its passes; TSP: the K/V
 all-gathers).
 
-The attention rates are the measured kernel table's (``attention.kernel_speed.attention_rate``:
+The attention rates are the measured kernel table's (``costs.kernel_speed.attention_rate``:
 the backend's forward and backward TFLOP/s on the newest measured GPU architecture at this head_dim
 and dtype, or its place in ``auto``'s order). The GEMMs run at ``MATMUL_TFLOPS``, an assumption
 (not measured yet: the GPU suite times attention kernels, not GEMMs), stated in every report. The

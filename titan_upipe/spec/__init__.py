@@ -12,8 +12,10 @@ model_dims         ``ModelDims``: the dimensions of a model that decide memory a
 cp_layout          ``CPMode``, ``CPLayout``: mode, CP / ring / Ulysses degrees, U, sequence divisor
 head_schedule      UPipe's GQA-aware head schedule (stages of U query heads)
 keep_attention     ``KeepAttentionPlan``: which blocks keep their attention output, and where
-tsp_shards         TSP's degree rules and weight-shard arithmetic (``TSPShards``)
-lengths            lengths as configs and command lines write them (``128K``, ``5M``)
+tsp_shards         TSP's degree rules and weight-shard arithmetic (``TSPShardSizes``)
+document_deal      the document-aware ring layout's deal of documents to ranks (and the zigzag's)
+settings           the valid names of the settings the planner reads (kernels, balances, dtypes)
+units              lengths as configs and command lines write them (``128K``, ``5M``), bytes
 =================  ===========================================================================
 
 Nothing here imports torch: ``tests/test_layers.py`` checks it, so the planner that reads these

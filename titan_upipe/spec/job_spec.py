@@ -29,6 +29,7 @@ from functools import cached_property
 from titan_upipe.spec.cp_layout import CPLayout, CPMode
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
 from titan_upipe.spec.model_dims import ModelDims
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT, DTYPES
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class JobSpec:
     documents: bool = False
     attention_backend: str = "auto"
     document_balance: str = "documents"
-    document_min_split: int = 16384
+    document_min_split: int = DEFAULT_MIN_SPLIT
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     tiled_mlp: bool = False
@@ -77,6 +78,11 @@ class JobSpec:
     tsp_kv_heads_per_bucket: int = 0
     tsp_overlap: bool = True
     tsp_mlp_recompute: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"JobSpec.{name} = {getattr(self, name)!r}: valid values are {', '.join(DTYPES)}")
 
     @cached_property
     def layout(self) -> CPLayout:

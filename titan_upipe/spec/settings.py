@@ -2,7 +2,7 @@
 
 The runtime classes behind them (``attention.backends.BACKENDS``, ``parallel.BatchDocumentLayout``,
 ``attention.keep``) sit above torch; the names live here so that the planner and the command
-lines' ``--help`` read them without loading it (``tests/test_layers.py`` checks the names agree).
+lines' ``--help`` read them without loading it (``tests/test_job_spec.py`` checks the names agree).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ DEFAULT_MIN_SPLIT = 16384
 """Documents of at least this many tokens are zigzagged inside themselves; shorter ones are dealt
 whole unless the balance needs them split (``docs/benchmarks/document_balance.md`` measured the
 balance with this value)."""
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""The training dtypes (``training.mixed_precision_param`` / ``_reduce``) by torch's names."""
 
 KEEP_ATTENTION = ("off", "device", "host", "auto")
 """``[activation_checkpoint] keep_attention``: where blocks keep their attention output (``auto``:

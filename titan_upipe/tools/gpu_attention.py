@@ -13,7 +13,7 @@ qwen3_32b   8 / 1            Qwen3-32B (64 / 8 heads) under Ulysses 8 (UPipe-in-
 at 128K and 1M tokens, and 2M where the call's budget allows; plus a varlen case (packed
 documents, ``DOCUMENT_MIX``, 128K tokens) for the backends with a varlen kernel. Before timing, a
 backend must pass the contract (``attention.contract``, bf16) on this device: one that fails is
-reported, not timed, and leaves ``auto`` here (``attention.kernel_speed``).
+reported, not timed, and leaves ``auto`` here (``costs.kernel_speed``).
 
 FLOPs of causal attention (``kernel_speed.causal_flops``, over a sequence of ``L`` tokens, ``H``
 query heads of dim ``D``: the half of ``QK^T`` and ``PV`` a causal mask keeps, two flops per

@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from titan_upipe.plan import plan
-from titan_upipe.plan.job_config import plan_input_from_job_config
 from titan_upipe.resources.paper_tables import paper_value
 from titan_upipe.tools.gpu_reports import COLD_STEP, StageReport
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.job_plan import plan_input_from_job_config
 
 REPO = Path.cwd()
 """The checkout the suite runs in (its recipes under ``configs/``, its reports under

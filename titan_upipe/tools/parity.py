@@ -25,7 +25,7 @@ another question; and at a GPU recipe's length the single-device reference (atte
 in the length, on every rank) would not finish on a CPU.
 
 A mistake in the command line or the config (a length the layout cannot shard, a rank count
-other than the CP degree, a length the memory planner predicts will not fit: ``plan.guard``) is
+other than the CP degree, a length the memory planner predicts will not fit: ``torchtitan_0_2.memory_guard``) is
 one line, ``titan_upipe.check: error: ...``, printed once (rank 0) before any process group
 starts, exit status 2.
 """
@@ -48,8 +48,6 @@ from titan_upipe.attention import sequence_mesh
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
-from titan_upipe.plan.guard import check_memory_fits, free_machine_memory, local_ranks
-from titan_upipe.plan.job_config import size_keep_attention_of_job
 from titan_upipe.toolkit.cli_args import (
     ToolParser,
     non_negative_int,
@@ -61,7 +59,9 @@ from titan_upipe.toolkit.packed_documents import document_runs, packed_document_
 from titan_upipe.torchtitan_0_2.checks import check_job, cp_layout
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
+from titan_upipe.torchtitan_0_2.job_plan import size_keep_attention_of_job
 from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
+from titan_upipe.torchtitan_0_2.memory_guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.torchtitan_0_2.rank_model import (
     ParallelDims,
     build_loss_fn,
@@ -170,7 +170,7 @@ def _cpu_length_problem(job_config, options: argparse.Namespace, device: torch.d
 def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: int, device: torch.device):
     """The job the check runs (data-parallel degrees forced to 1, ``--seq-len`` applied), validated
     as far as it can be before any process group: one rank per CP rank, the job checks, a length
-    the CPU can run and the memory guard (``plan.guard``), documents only under CP. Raises ConfigError."""
+    the CPU can run and the memory guard (``torchtitan_0_2.memory_guard``), documents only under CP. Raises ConfigError."""
     overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
     if options.seq_len:
         overrides += ["--training.seq_len", str(options.seq_len)]

@@ -7,7 +7,7 @@ problem found, each naming the setting and its valid choices (a fix for degrees 
 is shown only after it passed the same checks). The device checked for is the one the job trains
 on: ``--device``, else ``TITAN_UPIPE_DEVICE``, else this machine's GPU, else, on a machine without
 one (a login node), a GPU for a bf16/fp16 job and the CPU for a float32 one; the launch's memory
-guard (``plan.guard``) judges the job for that device (a GPU of ``PLAN_GPU_GIB`` where this machine
+guard (``torchtitan_0_2.memory_guard``) judges the job for that device (a GPU of ``PLAN_GPU_GIB`` where this machine
 has none; on the CPU, ``--host-mem`` or the free host memory). It also checks the job's files
 (``titan_upipe.torchtitan_0_2.job_assets``: tokenizer, dataset, weights, checkpoints) and, for offloaded
 activations and async checkpoints, that a node's host memory holds them (the planner's
@@ -25,16 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.plan import guard
-from titan_upipe.plan.cli import PLAN_GPU_GIB
-from titan_upipe.plan.job_config import (
-    MachineMemory,
-    async_checkpoint_staging_bytes,
-    plan_from_job_config,
-    size_keep_attention_of_job,
-)
+from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
 from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, cpu_runtime, job_assets
+from titan_upipe.torchtitan_0_2 import memory_guard as guard
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
     UPipe,
@@ -43,6 +37,12 @@ from titan_upipe.torchtitan_0_2.config import (
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.cp_inputs import document_layout_text
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
+from titan_upipe.torchtitan_0_2.job_plan import (
+    async_checkpoint_staging_bytes,
+    machine_memory_here,
+    plan_from_job_config,
+    size_keep_attention_of_job,
+)
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 GIB = 1024**3
@@ -106,7 +106,7 @@ def keep_attention_text(job_config, world_size: int, host_mem_bytes: int | None)
     n_layers = flavor_args(job_config, update=False).n_layers
     if not checks.keep_attention.needs_planner(job_config):
         return checks.keep_attention.keep_attention_plan(job_config).describe(n_layers)
-    here = MachineMemory.here(world_size)
+    here = machine_memory_here(world_size)
     gpu = here.gpu_bytes if here.device == "cuda" else PLAN_GPU_GIB * GIB
     device = "cpu" if job_config.training.mixed_precision_param == "float32" else "cuda"  # as the planner reads it
     machine = MachineMemory(gpu, float(host_mem_bytes or here.host_bytes), min(world_size, 8), device)

@@ -47,7 +47,7 @@ def needs_part_compile(model: nn.Module) -> bool:
 
 def is_compiled_part(name: str, module: nn.Module) -> bool:
     """A plain RMSNorm or SwiGLU feed-forward at one of :data:`PARTS` (tiled ones stay eager)."""
-    return name in PARTS and (type(module) is nn.RMSNorm or is_swiglu_feed_forward(module))
+    return name in PARTS and (type(module) is nn.RMSNorm or is_swiglu_feed_forward(module, "compile"))
 
 
 def compile_parts(model: nn.Module, backend: str = "inductor") -> list[str]:

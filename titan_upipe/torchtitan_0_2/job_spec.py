@@ -1,10 +1,14 @@
-"""The one mapping from TorchTitan 0.2's ``JobConfig`` to the plugin's ``JobSpec`` (``spec.job_spec``).
+"""The one place a TorchTitan 0.2 ``JobConfig`` becomes the plugin's ``JobSpec`` (``spec.job_spec``).
 
-What reads a job below the adapter reads the spec this builds: the planner (``plan.spec_input``),
-and the tools through it. The model's shape comes from the configured flavor's args, as the
-trainer would build them (TorchTitan's ``update_from_config`` aside: it changes no shape the
-spec holds); the settings from ``[upipe]``, ``[transforms]``, ``[activation_checkpoint]``,
-``[optimizer]``, ``[tsp]``, ``[checkpoint]``, ``[parallelism]`` and ``[training]``.
+The planner reads the spec this builds and nothing else (``plan.spec_input``; the adapter's
+``job_plan`` and ``memory_guard`` plan a JobConfig through it). The runtime does not yet: the
+converters, ``parallelize``, the trainer and the checks still read the JobConfig, and the layout
+the checks build on it (``checks.cp_layout``), which the spec's layout equals
+(``tests/test_job_spec.py``); moving them onto the spec is the rest of issue 43. The model's shape
+comes from the configured flavor's args, as the trainer builds them (``update_from_config``
+changes no shape the spec holds); the settings from ``[upipe]`` (``[context_parallel]``),
+``[transforms]``, ``[activation_checkpoint]``, ``[optimizer]``, ``[tsp]``, ``[checkpoint]``,
+``[parallelism]`` and ``[training]``.
 """
 
 from __future__ import annotations

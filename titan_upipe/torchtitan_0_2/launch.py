@@ -84,7 +84,7 @@ def log_on_rank_zero_only(config=None) -> None:
 JobPreparation = Callable[[Any, int], object]
 """``prepare(job_config, world_size)``: what a tools-layer entry point decides for the job before any
 process group starts, left on the job config (``titan_upipe.train``: the planner sizes
-``keep_attention = "auto"``, ``plan.job_config.size_keep_attention_of_job``)."""
+``keep_attention = "auto"``, ``torchtitan_0_2.job_plan.size_keep_attention_of_job``)."""
 
 
 def launched_world_size() -> int:

@@ -30,7 +30,7 @@ whole-block peak. Any other module (or a TorchTitan block with hooks of its own,
 halves directly would skip) is checkpointed by the whole-block
 :class:`OffloadedCheckpointFunction` and holds its incoming gradient through its whole backward.
 
-Kept attention (``keep``: a :class:`~titan_upipe.attention.keep.KeepAttentionPlan`): a block that
+Kept attention (``keep``: a :class:`~titan_upipe.spec.keep_attention.KeepAttentionPlan`): a block that
 keeps passes a :class:`~titan_upipe.attention.keep.KeptAttention` to its attention, which records its
 kernel results (output and LSE) in the block's forward; the feed-forward half's backward recomputes
 the block with them replayed, so the attention kernel's forward does not run twice. Kept on the

@@ -94,7 +94,7 @@ class TiledFeedForward(nn.Module):
         return TiledSwiGLUFunction.apply(x, self.w1.weight, self.w2.weight, self.w3.weight, tile)
 
 
-def is_swiglu_feed_forward(module: nn.Module | None) -> bool:
+def is_swiglu_feed_forward(module: nn.Module | None, what: str = "tiled_mlp") -> bool:
     """A registered family's dense feed-forward (``model_protocol.FeedForwardModule``: TorchTitan's
     Llama3/Qwen3 ``FeedForward``), whose forward is ``w2(silu(w1 x) * w3 x)``."""
-    return MODEL_CLASSES.require("tiled_mlp").feed_forward_family(module) is not None
+    return MODEL_CLASSES.require(what).feed_forward_family(module) is not None

@@ -143,7 +143,7 @@ def convert_block(block: nn.Module, mesh: DeviceMesh, backend: str, kv_heads_per
                   compute_dtype: torch.dtype | None = None, overlap: bool = True, mlp_recompute: bool = True) -> None:
     """Replace a TorchTitan Llama3/Qwen3 block's ``attention`` and ``feed_forward`` by TSP modules
     (every degree problem raised as one ConfigError, ``tsp_problems``)."""
-    if not is_swiglu_feed_forward(block.feed_forward):
+    if not is_swiglu_feed_forward(block.feed_forward, "tsp"):
         raise ConfigError(f"tsp converts TorchTitan's dense SwiGLU feed-forward; this block has "
                           f"{type(block.feed_forward).__name__} (MoE flavors and tiled_mlp are not supported)")
     spec = AttentionSpec.of(block.attention)

@@ -1,5 +1,5 @@
 """``[activation_checkpoint] keep_attention`` and ``keep_attention_blocks``: the check, and the job's
-one :class:`~titan_upipe.attention.keep.KeepAttentionPlan`.
+one :class:`~titan_upipe.spec.keep_attention.KeepAttentionPlan`.
 
 A plan with a number of blocks and one place (``device`` or ``host`` with ``keep_attention_blocks =
 N``) follows from the config alone. ``auto`` (either key) depends on the memory of the machine the

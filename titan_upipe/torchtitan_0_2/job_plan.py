@@ -4,12 +4,13 @@ machine's memory, and the sizing of ``keep_attention = "auto"`` left on the job 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job import PlanInput
+from titan_upipe.plan.machine import MachineMemory, cgroup_memory_limit, keep_host_budget
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.spec_input import plan_input_from_spec
@@ -45,53 +46,17 @@ def async_checkpoint_staging_bytes(job_config, job: PlanInput) -> int:
     return shard * min(job.ranks, job.gpus_per_node)
 
 
-HOST_RESERVE_FRACTION = 0.1
-"""Of a node's host memory, what sizing ``keep_attention = "auto"`` leaves to everything the planner
-does not count (the processes, the data loader, the page cache)."""
+def machine_memory_here(world_size: int) -> MachineMemory:
+    """This machine's: the CUDA device of ``LOCAL_RANK`` (its total memory: every GPU of a job is
+    taken to be alike) or, without one, the host's memory split over the node's ranks."""
+    host = float(min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_memory_limit()))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        return MachineMemory(float(torch.cuda.get_device_properties(index).total_memory), host, ranks, "cuda")
+    return MachineMemory(host / max(ranks, 1), host, ranks, "cpu")
 
 
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-"""Where a container's memory limit is (cgroup v2, v1): a job may use no more of the node than that."""
-
-
-def cgroup_memory_limit() -> float:
-    """This process's container memory limit in bytes (``inf`` where there is none)."""
-    for path in CGROUP_LIMITS:
-        try:
-            text = open(path).read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            return float(text)
-    return float("inf")
-
-
-def keep_host_budget(host_mem_bytes: float | None, staging_bytes: int = 0) -> float | None:
-    """The host memory of a node that kept attention may fill with the offloaded inputs: all of it
-    less ``HOST_RESERVE_FRACTION`` and an async checkpoint's staging (None: not limited)."""
-    return None if host_mem_bytes is None else host_mem_bytes * (1 - HOST_RESERVE_FRACTION) - staging_bytes
-
-
-@dataclass(frozen=True)
-class MachineMemory:
-    """What the job's ranks have: device memory per rank, host memory per node, ranks per node."""
-
-    gpu_bytes: float
-    host_bytes: float
-    ranks_per_node: int
-    device: str
-    """``cuda``, or ``cpu`` (then the "device" is host memory shared by the node's ranks)."""
-
-    @classmethod
-    def here(cls, world_size: int) -> MachineMemory:
-        """This machine's: the CUDA device of ``LOCAL_RANK`` (its total memory: every GPU of a job is
-        taken to be alike) or, without one, the host's memory split over the node's ranks."""
-        host = float(min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_memory_limit()))
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-        if torch.cuda.is_available():
-            index = int(os.environ.get("LOCAL_RANK", "0"))
-            return cls(float(torch.cuda.get_device_properties(index).total_memory), host, ranks, "cuda")
-        return cls(host / max(ranks, 1), host, ranks, "cpu")
 
 
 def size_keep_attention_of_job(job_config, world_size: int, machine: MachineMemory | None = None
@@ -101,7 +66,7 @@ def size_keep_attention_of_job(job_config, world_size: int, machine: MachineMemo
     (``checks.keep_attention``). The tools' entry points call it before any process group."""
     if not needs_planner(job_config):
         return keep_attention_plan(job_config)
-    machine = machine or MachineMemory.here(world_size)
+    machine = machine or machine_memory_here(world_size)
     where, blocks = keep_setting(job_config)
     try:
         job = replace(plan_input_from_job_config(job_config, world_size, machine.device),

@@ -34,25 +34,23 @@ from dataclasses import dataclass, replace
 import torch
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.plan.cli import PLAN_GPU_GIB
 from titan_upipe.plan.job import PlanInput
-from titan_upipe.plan.job_config import (
-    MachineMemory,
-    async_checkpoint_staging_bytes,
-    cgroup_memory_limit,
-    plan_input_from_job_config,
-    size_keep_attention_of_job,
-)
+from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory, cgroup_memory_limit
 from titan_upipe.plan.search import longest_multiple
 from titan_upipe.plan.step import plan
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
 from titan_upipe.spec.units import GIB
 from titan_upipe.torchtitan_0_2 import cpu_runtime
+from titan_upipe.torchtitan_0_2.job_plan import (
+    async_checkpoint_staging_bytes,
+    plan_input_from_job_config,
+    size_keep_attention_of_job,
+)
 
 logger = logging.getLogger(__name__)
 
 CGROUP_USAGE = ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes")
-"""A container's memory in use (cgroup v2, v1), beside its limit (``plan.job_config.CGROUP_LIMITS``)."""
+"""A container's memory in use (cgroup v2, v1), beside its limit (``plan.machine.CGROUP_LIMITS``)."""
 
 CHECKPOINTED_MODES = ("none", "full")
 """``activation_checkpoint.mode`` values the planner models as they are; the others keep more

@@ -48,7 +48,14 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from titan_upipe.parallel.layout import zigzag_chunks
+
+def zigzag_chunks(ring_rank: int, ring_size: int) -> tuple[int, int]:
+    """The two chunks (of ``2R``) ring rank ``ring_rank`` owns, in slot order: ``r`` and ``2R-1-r``,
+    so every rank holds as many causal (query, key) pairs as any other."""
+    if not 0 <= ring_rank < ring_size:
+        raise ValueError(f"ring rank {ring_rank} outside [0, {ring_size})")
+    return ring_rank, 2 * ring_size - 1 - ring_rank
+
 
 Runs = tuple[tuple[int, int], ...]
 """Half-open ``(start, stop)`` token runs in global order."""

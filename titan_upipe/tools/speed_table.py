@@ -12,17 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from titan_upipe.plan.job_config import (
-    async_checkpoint_staging_bytes,
-    keep_host_budget,
-    plan_input_from_job_config,
-)
+from titan_upipe.plan.machine import keep_host_budget
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.speed import predicted_speeds
 from titan_upipe.plan.step import plan
 from titan_upipe.resources.paper_tables import paper_value
 from titan_upipe.spec.units import GIB
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.job_plan import async_checkpoint_staging_bytes, plan_input_from_job_config
 
 GPU_GIB, HOST_GIB = 80.0, 1900.0
 """The paper's cluster: H100 80 GiB, 1,900 GiB of host memory per 8-GPU node."""

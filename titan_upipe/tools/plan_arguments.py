@@ -1,5 +1,5 @@
 """The planner's arguments (``python -m titan_upipe.plan --help``): read without torch or TorchTitan,
-so that ``--help`` and a bad argument answer at once; the run itself is ``plan.cli``."""
+so that ``--help`` and a bad argument answer at once; the run itself is ``tools.plan_cli``."""
 
 from __future__ import annotations
 

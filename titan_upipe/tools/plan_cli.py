@@ -14,21 +14,18 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from titan_upipe.errors import exit_once
-from titan_upipe.plan.arguments import TOOL, build_parser
 from titan_upipe.plan.job import PlanInput, as_tsp
-from titan_upipe.plan.job_config import (
-    async_checkpoint_staging_bytes,
-    keep_host_budget,
-    plan_input_from_job_config,
-)
+from titan_upipe.plan.machine import PLAN_GPU_GIB, keep_host_budget
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS
 from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.step import plan
 from titan_upipe.spec.units import GIB
+from titan_upipe.tools.plan_arguments import TOOL, build_parser
 from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
+from titan_upipe.torchtitan_0_2.job_plan import async_checkpoint_staging_bytes, plan_input_from_job_config
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 
@@ -117,10 +114,6 @@ class KeepRequest:
         keep = size_keep_attention(job, self.where, self.blocks, gpu_mem_bytes,
                                    keep_host_budget(host_mem_bytes, self.staging_bytes))
         return replace(job, keep_device_blocks=keep.device_blocks, keep_host_blocks=keep.host_blocks), note
-
-
-PLAN_GPU_GIB = 80.0
-"""The GPU an ``auto`` keep plan is sized for when ``--gpu-mem`` is not given."""
 
 
 def main(argv: list[str] | None = None) -> int:
