@@ -202,6 +202,11 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
             problems += [f"{module}:{node.lineno} constructs a CPLayout: read the job's (JobSpec.layout) instead"
                          for node in ast.walk(tree) if isinstance(node, ast.Call)
                          and getattr(node.func, "id", getattr(node.func, "attr", None)) in names]
+            # dataclasses.replace(layout, ...) builds one too (a layout is found by its name: *layout)
+            problems += [f"{module}:{node.lineno} copies a CPLayout with replace(): read the job's instead"
+                         for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+                         and getattr(node.func, "id", getattr(node.func, "attr", None)) == "replace"
+                         and str(getattr(node.args[0], "id", getattr(node.args[0], "attr", ""))).endswith("layout")]
         problems += [f"{module}: imports {t} inside a function" for t, lazy in _imports(tree, module, False)
                      if lazy and t.startswith(root.name) and not module.endswith(ENTRY_MODULE)]
         path = root.parent.joinpath(*module.split("."))
@@ -261,6 +266,8 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
         ("titan_upipe.torchtitan_0_2.converters",
          "\nfrom titan_upipe.spec.cp_layout import CPLayout as Layout\n\n\ndef _own():\n    return Layout(None)\n",
          "constructs a CPLayout"),
+        ("titan_upipe.torchtitan_0_2.converters",
+         "\n\ndef _copy(self):\n    return dataclasses.replace(self.layout, cp_degree=2)\n", "copies a CPLayout"),
         # torch reached through another module: costs -> parallel (its __init__ imports torch)
         ("titan_upipe.costs.attention_comm", "\nfrom titan_upipe.parallel import layout\n",
          "(costs: arithmetic) imports torch"),
