@@ -40,10 +40,9 @@ TORCHTITAN_OUTSIDE_ADAPTER: set[str] = set()
 A module on it that no longer imports TorchTitan is reported, so the set cannot go stale."""
 LAYOUT_BUILDERS = {
     "titan_upipe.spec.cp_layout": "the search over candidate layouts (layout_problem: a degree to suggest)",
-    "titan_upipe.spec.job_spec": "JobSpec.layout: the job's one layout",
     "titan_upipe.plan.job": "the planner's layout of a PlanInput (it plans jobs that have no JobSpec: --model)",
-    "titan_upipe.torchtitan_0_2.checks.parallelism": "cp_layout: the adapter's layout of a JobConfig, which the "
-                                                     "converters read until they take the JobSpec",
+    "titan_upipe.torchtitan_0_2.checks.parallelism": "cp_layout: the job checks' layout of a JobConfig, the one "
+                                                     "the adapter's JobSpec carries (torchtitan_0_2.job_spec)",
 }
 """The only modules that construct a ``CPLayout``, and why: everything else reads one it was given."""
 ENTRY_MODULE = "__main__"

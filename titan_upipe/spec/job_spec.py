@@ -10,8 +10,8 @@ group               fields
 ==================  =====================================================================
 model               ``model`` (``ModelDims``: heads, KV heads, head_dim, widths, layers,
                     vocab, rotary kind, qk-norm), ``documents`` (packed, block-causal)
-sequence, ranks     ``seq_len``, ``local_batch``, ``world_size``; the CP settings and
-                    ``layout`` (``CPLayout``: degrees, U and sequence divisor, built once)
+sequence, ranks     ``seq_len``, ``local_batch``, ``world_size``; ``layout`` (``CPLayout``:
+                    mode, degrees, U and sequence divisor, the one the job checks built)
 kernel, documents   ``attention_backend``, ``document_balance``, ``document_min_split``
 dtypes              ``param_dtype``, ``reduce_dtype`` (torch's names: ``"bfloat16"``)
 transforms          ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``, ``fused_ce`` and tiles
@@ -24,7 +24,6 @@ TSP                 ``tsp_kv_heads_per_bucket``, ``tsp_overlap``, ``tsp_mlp_reco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from titan_upipe.spec.cp_layout import CPLayout, CPMode
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
@@ -41,13 +40,9 @@ class JobSpec:
     local_batch: int
     world_size: int
     """The job's ranks: the launch's ``WORLD_SIZE``, or the product of the configured degrees."""
-    mode: CPMode | None
-    """The context-parallel attention (``model.converters``); None: none."""
-    cp_degree: int
-    ulysses_setting: int
-    """``[upipe] ulysses_degree`` as written (0: all of CP for Ulysses and UPipe)."""
-    heads_per_stage_setting: int
-    """``[upipe] heads_per_stage`` as written (0: U = the Ulysses degree)."""
+    layout: CPLayout
+    """The CP layout (mode, degrees, U, sequence divisor), validated when it was built: the adapter
+    passes the one its job checks built, so a job has one ``CPLayout``."""
     documents: bool = False
     attention_backend: str = "auto"
     document_balance: str = "documents"
@@ -84,10 +79,21 @@ class JobSpec:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"JobSpec.{name} = {getattr(self, name)!r}: valid values are {', '.join(DTYPES)}")
 
-    @cached_property
-    def layout(self) -> CPLayout:
-        """The job's CP layout, validated (ConfigError names the setting and the valid values) and
-        built once per spec: degrees, ring x Ulysses, U and the sequence divisor."""
-        heads = (self.model.n_heads, self.model.n_kv_heads) if self.mode is not None else (0, 0)
-        return CPLayout(self.mode, self.cp_degree, self.ulysses_setting, *heads, self.heads_per_stage_setting,
-                        self.seq_len)
+    @property
+    def mode(self) -> CPMode | None:
+        """The context-parallel attention (``model.converters``); None: none."""
+        return self.layout.mode
+
+    @property
+    def cp_degree(self) -> int:
+        return self.layout.cp_degree
+
+    @property
+    def ulysses_setting(self) -> int:
+        """``[upipe] ulysses_degree`` as written (0: all of CP for Ulysses and UPipe)."""
+        return self.layout.ulysses_setting
+
+    @property
+    def heads_per_stage_setting(self) -> int:
+        """``[upipe] heads_per_stage`` as written (0: U = the Ulysses degree)."""
+        return self.layout.heads_per_stage_setting

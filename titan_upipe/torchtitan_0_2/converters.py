@@ -26,11 +26,12 @@ from titan_upipe.attention.module import convert_attention_of_blocks
 from titan_upipe.parallel.inputs import LayoutCheck
 from titan_upipe.parallel.mesh import layout_mesh
 from titan_upipe.spec.cp_layout import CPMode
-from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype, cp_layout
+from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype
 from titan_upipe.torchtitan_0_2.config import (
     Transforms,
     plugin_fields,
 )
+from titan_upipe.torchtitan_0_2.job_spec import job_spec
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
@@ -41,8 +42,9 @@ class _ContextParallelAttentionConverter:
     mode: CPMode
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        # The job's layout, as the job checks built it: its mesh shape and U, never re-derived.
-        self.layout = cp_layout(job_config)
+        # The job's spec (the adapter's one mapping of its JobConfig: TorchTitan hands a converter
+        # nothing else); its layout is the one the job checks built: mesh shape and U, never re-derived.
+        self.layout = job_spec(job_config).layout
         self.cp_mesh = layout_mesh(parallel_dims.get_mesh("cp"), self.layout)
         # Resolved once here (auto included): every block gets the same kernel.
         self.compute_dtype = compute_dtype(job_config)

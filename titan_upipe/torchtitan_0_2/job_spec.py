@@ -13,9 +13,9 @@ changes no shape the spec holds); the settings from ``[upipe]`` (``[context_para
 
 from __future__ import annotations
 
-from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting, known_keep_attention_plan
+from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, model_dims_from_args, packs_documents
 
@@ -28,8 +28,8 @@ def degrees_world_size(parallelism) -> int:
 
 def job_spec(job_config, world_size: int | None = None) -> JobSpec:
     """The ``JobSpec`` of a parsed TorchTitan 0.2 ``JobConfig`` on ``world_size`` ranks (default:
-    the configured degrees' product). Raises ConfigError for a flavor or keep-attention setting it
-    cannot read; the layout is validated where it is first read (``JobSpec.layout``)."""
+    the configured degrees' product). Raises ConfigError for a flavor, layout or keep-attention setting
+    the job checks refuse; the layout is the checks' own (``checks.cp_layout``, built once per config)."""
     model_args = flavor_args(job_config, update=False)
     converters = list(job_config.model.converters)
     upipe, transforms, tsp = job_config.upipe, job_config.transforms, job_config.tsp
@@ -41,8 +41,7 @@ def job_spec(job_config, world_size: int | None = None) -> JobSpec:
         model=model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args),
         seq_len=job_config.training.seq_len, local_batch=job_config.training.local_batch_size,
         world_size=degrees_world_size(job_config.parallelism) if world_size is None else world_size,
-        mode=cp_mode(converters), cp_degree=job_config.parallelism.context_parallel_degree,
-        ulysses_setting=upipe.ulysses_degree, heads_per_stage_setting=upipe.heads_per_stage,
+        layout=cp_layout(job_config),
         documents=packs_documents(model_args), attention_backend=upipe.attention_backend,
         document_balance=upipe.document_balance, document_min_split=upipe.document_min_split,
         param_dtype=job_config.training.mixed_precision_param, reduce_dtype=job_config.training.mixed_precision_reduce,
