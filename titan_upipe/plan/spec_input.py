@@ -7,14 +7,13 @@ from __future__ import annotations
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.spec.keep_attention import NO_KEEP
+from titan_upipe.spec.settings import DTYPE_BYTES
 
 PLAN_AUTO_BACKEND = "flash_attn4"
 """What ``attention_backend = "auto"`` resolves to on the GPUs the recipes target (Hopper with
 the ``[gpu]`` extra, which installs flash-attn-4); the planner predicts another machine, so it
 cannot probe what is installed there."""
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of each of ``spec.settings.DTYPES``."""
 
 
 def planned_ac_mode(spec: JobSpec) -> str:

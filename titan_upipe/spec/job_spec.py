@@ -1,8 +1,8 @@
 """``JobSpec``: one training job, decided once and passed down (pure values, no torch, no TorchTitan).
 
-The TorchTitan adapter builds it from its own config, once per job (``torchtitan_0_2.job_spec``: the
-only mapping from TorchTitan's config); below the adapter the planner (``plan.spec_input``) and the
-tools read the spec, never the config. A second TorchTitan version's adapter builds the same spec
+The TorchTitan adapter builds it from its own config (``torchtitan_0_2.job_spec``: the one place a
+TorchTitan config becomes a spec); the planner (``plan.spec_input``) reads the spec, never the config,
+and the CP converters take their layout from it (the rest of the runtime still reads the config). A second TorchTitan version's adapter builds the same spec
 from its own config (``docs/architecture.md``).
 
 ==================  =====================================================================

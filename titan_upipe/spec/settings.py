@@ -19,8 +19,10 @@ DEFAULT_MIN_SPLIT = 16384
 whole unless the balance needs them split (``docs/benchmarks/document_balance.md`` measured the
 balance with this value)."""
 
-DTYPES = ("float32", "bfloat16", "float16")
-"""The training dtypes (``training.mixed_precision_param`` / ``_reduce``) by torch's names."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the training and export dtypes, by torch's names."""
+DTYPES = tuple(DTYPE_BYTES)
+"""The training dtypes (``training.mixed_precision_param`` / ``_reduce``)."""
 
 KEEP_ATTENTION = ("off", "device", "host", "auto")
 """``[activation_checkpoint] keep_attention``: where blocks keep their attention output (``auto``:

@@ -43,6 +43,7 @@ from titan_upipe.torchtitan_0_2.job_plan import (
     plan_from_job_config,
     size_keep_attention_of_job,
 )
+from titan_upipe.torchtitan_0_2.job_spec import writes_async_checkpoints
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 GIB = 1024**3
@@ -169,10 +170,6 @@ def available_host_memory() -> int | None:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
-def _async_checkpoint(job_config) -> bool:
-    return job_config.checkpoint.enable and job_config.checkpoint.async_mode != "disabled"
-
-
 def host_memory_needed(job_config, world_size: int) -> tuple[int, str]:
     """(bytes of host memory one node needs, what they are): the planner's offloaded block inputs
     plus an async checkpoint's staged state."""
@@ -192,7 +189,7 @@ def host_memory_fixes(job_config, source: str) -> list[str]:
     if offload.cpu_offload and offload.pin_memory:
         fixes.append("set activation_checkpoint.pin_memory = false (pageable buffers are not rounded up)")
     fixes.append("use more nodes (fewer tokens and a smaller state shard per rank)")
-    if _async_checkpoint(job_config):
+    if writes_async_checkpoints(job_config):
         fixes.append('set checkpoint.async_mode = "disabled"')
     if source != "--host-mem":
         fixes.append("pass --host-mem GIB when validating away from the compute nodes")
@@ -201,7 +198,7 @@ def host_memory_fixes(job_config, source: str) -> list[str]:
 
 def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None, source: str) -> str | None:
     offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload).cpu_offload
-    if host_mem_bytes is None or not (offload or _async_checkpoint(job_config)):
+    if host_mem_bytes is None or not (offload or writes_async_checkpoints(job_config)):
         return None
     try:
         needed, what = host_memory_needed(job_config, world_size)

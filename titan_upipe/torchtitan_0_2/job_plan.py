@@ -23,7 +23,7 @@ from titan_upipe.torchtitan_0_2.checks.keep_attention import (
     set_keep_attention_plan,
 )
 from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
-from titan_upipe.torchtitan_0_2.job_spec import job_spec
+from titan_upipe.torchtitan_0_2.job_spec import job_spec, writes_async_checkpoints
 
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
@@ -39,11 +39,15 @@ def plan_from_job_config(job_config, world_size: int | None = None, device: str 
 def async_checkpoint_staging_bytes(job_config, job: PlanInput) -> int:
     """Host bytes one node's async checkpoint stages: each rank's shard of what a checkpoint holds
     (fp32 parameters and both AdamW moments, ``CHECKPOINT_BYTES_PER_PARAMETER``); 0 without one."""
-    checkpoint = job_config.checkpoint
-    if not checkpoint.enable or checkpoint.async_mode == "disabled":
+    if not writes_async_checkpoints(job_config):
         return 0
     shard = CHECKPOINT_BYTES_PER_PARAMETER * job.model.total_params // job.fsdp
     return shard * min(job.ranks, job.gpus_per_node)
+
+
+def this_gpu_bytes() -> float:
+    """Total memory of this rank's GPU (``LOCAL_RANK``)."""
+    return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory)
 
 
 def machine_memory_here(world_size: int) -> MachineMemory:
@@ -52,11 +56,8 @@ def machine_memory_here(world_size: int) -> MachineMemory:
     host = float(min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_memory_limit()))
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0"))
-        return MachineMemory(float(torch.cuda.get_device_properties(index).total_memory), host, ranks, "cuda")
+        return MachineMemory(this_gpu_bytes(), host, ranks, "cuda")
     return MachineMemory(host / max(ranks, 1), host, ranks, "cpu")
-
-
 
 
 def size_keep_attention_of_job(job_config, world_size: int, machine: MachineMemory | None = None

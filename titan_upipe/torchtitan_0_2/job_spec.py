@@ -1,10 +1,10 @@
 """The one place a TorchTitan 0.2 ``JobConfig`` becomes the plugin's ``JobSpec`` (``spec.job_spec``).
 
 The planner reads the spec this builds and nothing else (``plan.spec_input``; the adapter's
-``job_plan`` and ``memory_guard`` plan a JobConfig through it). The runtime does not yet: the
-converters, ``parallelize``, the trainer and the checks still read the JobConfig, and the layout
-the checks build on it (``checks.cp_layout``), which the spec's layout equals
-(``tests/test_job_spec.py``); moving them onto the spec is the rest of issue 43. The model's shape
+``job_plan`` and ``memory_guard`` plan a JobConfig through it), and the CP converters take their
+layout from it: the one the job checks built on the config (``checks.cp_layout``), which the spec
+carries. ``parallelize``, the trainer and the checks still read the JobConfig; moving them onto
+the spec is the rest of issue 43. The model's shape
 comes from the configured flavor's args, as the trainer builds them (``update_from_config``
 changes no shape the spec holds); the settings from ``[upipe]`` (``[context_parallel]``),
 ``[transforms]``, ``[activation_checkpoint]``, ``[optimizer]``, ``[tsp]``, ``[checkpoint]``,
@@ -18,6 +18,13 @@ from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting, known
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, model_dims_from_args, packs_documents
+
+
+def writes_async_checkpoints(job_config) -> bool:
+    """``[checkpoint]`` is enabled with an ``async_mode`` other than ``disabled``: each save stages the
+    node's shard of the state in host memory."""
+    checkpoint = job_config.checkpoint
+    return bool(checkpoint.enable and checkpoint.async_mode != "disabled")
 
 
 def degrees_world_size(parallelism) -> int:
@@ -36,7 +43,6 @@ def job_spec(job_config, world_size: int | None = None) -> JobSpec:
     ac = job_config.activation_checkpoint
     offload = plugin_fields(ac, ActivationCheckpointOffload)
     where, blocks = keep_setting(job_config)
-    checkpoint = job_config.checkpoint
     return JobSpec(
         model=model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args),
         seq_len=job_config.training.seq_len, local_batch=job_config.training.local_batch_size,
@@ -54,6 +60,6 @@ def job_spec(job_config, world_size: int | None = None) -> JobSpec:
         prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
         optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
         keep_attention=where, keep_attention_blocks=blocks, keep_plan=known_keep_attention_plan(job_config),
-        async_checkpoint=bool(checkpoint.enable and checkpoint.async_mode != "disabled"),
+        async_checkpoint=writes_async_checkpoints(job_config),
         tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
     )

@@ -45,6 +45,7 @@ from titan_upipe.torchtitan_0_2.job_plan import (
     async_checkpoint_staging_bytes,
     plan_input_from_job_config,
     size_keep_attention_of_job,
+    this_gpu_bytes,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ def available_host_bytes() -> float:
     if limit != float("inf") and usage is not None:
         free = min(free, max(limit - usage, 0.0))
     return free
-
-
-def this_gpu_bytes() -> float:
-    """Total memory of this rank's GPU (``LOCAL_RANK``)."""
-    return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory)
 
 
 def local_ranks(world_size: int) -> int:

@@ -13,10 +13,9 @@ import shutil
 import tempfile
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.spec.settings import DTYPE_BYTES
 from titan_upipe.torchtitan_0_2.job_assets.checkpoints import checkpoint_folder
 from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER, job_model_state
-
-EXPORT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def byte_size(count: float) -> str:
@@ -71,7 +70,7 @@ def checkpoint_bytes(job_config, parameters: int) -> tuple[int, str]:
     only_final = ckpt.last_save_model_only and ckpt.interval >= job_config.training.steps \
         and not ckpt.enable_first_step_checkpoint
     if only_final:
-        per_parameter = EXPORT_BYTES.get(ckpt.export_dtype, 4)
+        per_parameter = DTYPE_BYTES.get(ckpt.export_dtype, 4)
         return parameters * per_parameter, f"{per_parameter} bytes: {ckpt.export_dtype} weights"
     return parameters * CHECKPOINT_BYTES_PER_PARAMETER, \
         f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes: fp32 weights + 2 AdamW moments"
