@@ -22,6 +22,7 @@ from trainer_utils import REPO
 from titan_upipe.errors import ConfigError
 from titan_upipe.tools import torchrun as quiet_torchrun
 from titan_upipe.torchtitan_0_2 import interrupts, launch, launch_store, worker_exit
+from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.launch_store import LaunchStore
 
 UPIPE = str(REPO / "configs/debug/llama3_upipe.toml")  # CP = 2, data_parallel_shard_degree = -1
@@ -207,7 +208,7 @@ def test_the_interrupted_line_names_the_step_the_checkpoint_and_the_resume(tmp_p
 
 
 def test_only_rank_zero_speaks_and_not_for_a_peer_failure(store, monkeypatch):
-    config = launch.parse_config(["--job.config_file", UPIPE])
+    config = parse_config(["--job.config_file", UPIPE])
     state = launch.RunState(config, launch=store[0])
     monkeypatch.setenv("RANK", "1")
     assert state.interrupted_line(signal.SIGINT) is None

@@ -186,8 +186,9 @@ PRE_LAUNCH = ("checks/", "job_assets/", "launch.py", "config.py", "config_parse.
 run after: the trainer builds them)."""
 
 AFTER_LAUNCH = {
-    "torchtitan_0_2/cp_inputs.py:model_sequence_mesh":
-        "checks.parallelism.check_context_parallel: a CP degree without a CP converter (CPLayout)",
+    "torchtitan_0_2/launched_job.py:LaunchedJob.required_cp_mesh":
+        "checks.parallelism.check_context_parallel: a CP degree without a CP converter, or a CP converter "
+        "at degree 1 (CPLayout)",
     "torchtitan_0_2/cp_inputs.py:document_eos_id":
         "checks.model.check_document_masking (mask types); job_assets.inputs.check_document_eos "
         "(case block-causal-tokenizer-without-eos)",

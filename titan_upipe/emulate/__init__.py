@@ -5,8 +5,8 @@ exactly as TorchTitan's trainer does (``torchtitan_0_2.rank_model``, the builder
 train spec, flavor args + ``update_from_config``, meta device, ``model.converters``, the
 spec's ``parallelize_fn`` — AC then FSDP —, ``to_empty``, ``init_weights``, the spec's
 optimizer builder and loss) and runs training steps on a synthetic batch sharded in the
-converted attention's layout (``titan_upipe.parallel.shard_sequence`` on
-``titan_upipe.attention.sequence_mesh``).
+converted attention's layout (``titan_upipe.parallel.prepare_cp_batch`` on the launch's CP mesh,
+``torchtitan_0_2.launched_job``).
 The same code runs in two situations:
 
 * ``fake=False``: inside a real multi-process job whose default process group the caller

@@ -61,8 +61,7 @@ from titan_upipe.toolkit.cli_args import (
     positive_size,
     token_count,
 )
-from titan_upipe.torchtitan_0_2.checks import check_job
-from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.load_job import load_job
 from titan_upipe.torchtitan_0_2.memory_guard import (
     MemoryDoesNotFit,
     check_memory_fits,
@@ -70,7 +69,6 @@ from titan_upipe.torchtitan_0_2.memory_guard import (
     local_ranks,
 )
 from titan_upipe.torchtitan_0_2.rank_model import rank_device
-from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 TOOL = "titan_upipe.emulate"
 """The command's name in its error line."""
@@ -330,8 +328,7 @@ def checked_job(options, titan_args: list[str], launched: int):
                           f"--nproc_per_node {options.cp_world}, or emulate one rank in one process (no torchrun)")
     if options.seq_len:
         titan_args = [*titan_args, "--training.seq_len", str(options.seq_len)]
-    job_config = parse_config(titan_args, quiet=True)
-    check_job(job_config, options.cp_world)
+    job_config = load_job(titan_args, options.cp_world).config
     # what this process will allocate: one rank (fake) or this node's share, --n-layers blocks
     machine = free_machine_memory(1 if launched == 1 else local_ranks(launched), rank_device().type)
     check_memory_fits(job_config, options.cp_world, machine, n_layers=options.n_layers)
@@ -353,7 +350,6 @@ def _start_process_group() -> bool:
 def main(argv: list[str] | None = None) -> int:
     # As scripts/run_train.sh launches training (read when CUDA first allocates).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    register_plugin()
     options, titan_args = _parse(sys.argv[1:] if argv is None else argv)
     if options.summarize:
         print("\n".join(summarize(options.summarize, options.paper_csv)))

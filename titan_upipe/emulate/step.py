@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_upipe.attention import ContextParallelAttention, sequence_mesh
+from titan_upipe.attention import ContextParallelAttention
 from titan_upipe.attention.kernel_compiles import compiled_kernels, compiles_between
 from titan_upipe.emulate.compile_pass import run_compile_pass
 from titan_upipe.emulate.series import StepSeries
@@ -29,6 +29,7 @@ from titan_upipe.parallel.inputs import prepare_cp_batch
 from titan_upipe.toolkit.memory_tracker import StepTracker, storage_bytes
 from titan_upipe.toolkit.packed_documents import packed_document_tokens
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_0_2.launched_job import LaunchedJob, launched_job
 from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
 from titan_upipe.torchtitan_0_2.rank_model import TrainingRank
 from titan_upipe.transforms.offload import OFFLOAD_STATS
@@ -187,9 +188,11 @@ def resident_bytes(rank: TrainingRank) -> int:
             + storage_bytes(list(rank.model.buffers())))
 
 
-def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: int, cp_mesh) -> _Batch:
+def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: int, job: LaunchedJob) -> _Batch:
     """The global batch created on the device (the trainer's host-to-device copy), then this
-    rank's shard in the converted attention's layout (``cp_mesh``; None without CP)."""
+    rank's shard in the converted attention's layout (``job.cp_mesh``; None without CP) and the
+    job's document balance."""
+    cp_mesh = job.cp_mesh
     seq, batch = job_config.training.seq_len, job_config.training.local_batch_size
     generator = torch.Generator(device=device).manual_seed(job_config.debug.seed + step)
     inputs = torch.randint(0, rank.vocab_size, (batch, seq), device=device, generator=generator)
@@ -204,9 +207,8 @@ def _device_batch(rank: TrainingRank, job_config, device: torch.device, step: in
         inputs = packed_document_tokens(inputs.clamp(max=eos_id - 1), eos_id)
     if cp_mesh is None:
         return _Batch(inputs, labels, inputs, labels, {})
-    upipe = job_config.upipe
     batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
-                             document_balance=upipe.document_balance, document_min_split=upipe.document_min_split)
+                             document_balance=job.spec.document_balance, document_min_split=job.spec.document_min_split)
     return _Batch(inputs, labels, batch.tokens, batch.labels, batch.model_kwargs())
 
 
@@ -231,7 +233,7 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
     par = rank.parallel_dims
     global_tokens = float(job_config.training.local_batch_size * job_config.training.seq_len
                           * par.dp_shard * par.dp_replicate)
-    cp_mesh = sequence_mesh(rank.model) if par.cp_enabled else None
+    job = launched_job(job_config, par)  # the CP mesh the converters built (None without CP)
     offload_start, kept_start = OFFLOAD_STATS.host_bytes, OFFLOAD_STATS.kept_attention_bytes
 
     def offloaded() -> int:
@@ -254,7 +256,7 @@ def train_step(rank: TrainingRank, job_config, device: torch.device, step: int, 
     peaks: dict[str, tuple[int, str]] = {}
     with tracker:
         t0 = time.perf_counter()
-        batch = _device_batch(rank, job_config, device, step, cp_mesh)
+        batch = _device_batch(rank, job_config, device, step, job)
         loss = _forward_loss(rank, batch, global_tokens, hooks)
         sync()
         t1 = time.perf_counter()

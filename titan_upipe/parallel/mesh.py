@@ -88,8 +88,8 @@ def context_parallel_mesh(cp_mesh: DeviceMesh, mode: str, ulysses_degree: int = 
     ``ulysses``/``upipe`` with ``ulysses_degree`` 0 or C: ``cp_mesh`` itself; ``ring``: a 1-D
     mesh named "ring"; ``usp``/``upipe`` with ``1 <= ulysses_degree < C``: 2-D
     ``(C/ulysses_degree, ulysses_degree)``. Each call creates new process groups (call it on
-    every rank): build the mesh once, in the converter, and read it back from the converted
-    model (``titan_upipe.attention.sequence_mesh``) wherever else it is needed.
+    every rank): build the mesh once per job and pass it down (TorchTitan 0.2's adapter holds it
+    in its ``launched_job``; ``titan_upipe.attention.sequence_mesh`` reads it off a converted model).
     """
     return mesh_of_shape(cp_mesh, *resolve_mesh_shape(mode, cp_mesh.size(), ulysses_degree))
 

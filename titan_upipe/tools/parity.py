@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from titan_upipe.attention import sequence_mesh
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
+from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.toolkit.cli_args import (
     ToolParser,
     non_negative_int,
@@ -56,10 +56,10 @@ from titan_upipe.toolkit.cli_args import (
     token_count,
 )
 from titan_upipe.toolkit.packed_documents import document_runs, packed_document_tokens
-from titan_upipe.torchtitan_0_2.checks import check_job, cp_layout
-from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.job_plan import size_keep_attention_of_job
+from titan_upipe.torchtitan_0_2.launched_job import launched_job
+from titan_upipe.torchtitan_0_2.load_job import checked_job_of, parse_job
 from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
 from titan_upipe.torchtitan_0_2.memory_guard import check_memory_fits, free_machine_memory, local_ranks
 from titan_upipe.torchtitan_0_2.rank_model import (
@@ -69,7 +69,6 @@ from titan_upipe.torchtitan_0_2.rank_model import (
     build_rank_model,
     rank_device,
 )
-from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 
 DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -154,13 +153,13 @@ def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents
     return reference, parallel
 
 
-def _cpu_length_problem(job_config, options: argparse.Namespace, device: torch.device) -> str | None:
+def _cpu_length_problem(job_config, spec: JobSpec, options: argparse.Namespace, device: torch.device) -> str | None:
     """A recipe length on the CPU without ``--seq-len`` (module docstring): the refusal, with a
     length this layout shards."""
     seq_len = job_config.training.seq_len
     if device.type != "cpu" or options.seq_len is not None or seq_len <= CPU_SEQ_LEN_LIMIT:
         return None
-    divisor = cp_layout(job_config).seq_divisor
+    divisor = spec.layout.seq_divisor
     suggested = math.ceil(SUGGESTED_SEQ_LEN / divisor) * divisor
     return (f"training.seq_len = {seq_len} ({job_config.job.config_file}) is a GPU-scale length: on the CPU the "
             f"reference model would run all {seq_len} tokens; pass --seq-len {suggested} (a multiple of {divisor}, "
@@ -174,13 +173,13 @@ def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: 
     overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
     if options.seq_len:
         overrides += ["--training.seq_len", str(options.seq_len)]
-    job_config = parse_config([*titan_args, *overrides], quiet=True)
+    job_config = parse_job([*titan_args, *overrides])
     cp = job_config.parallelism.context_parallel_degree
     if world_size != cp:
         raise ConfigError(f"the check runs one rank per CP rank: launch it with --nproc_per_node {cp} "
                           f"(parallelism.context_parallel_degree), not {world_size}")
-    check_job(job_config, world_size)
-    if problem := _cpu_length_problem(job_config, options, device):
+    job = checked_job_of(job_config, world_size)
+    if problem := _cpu_length_problem(job_config, job.spec, options, device):
         raise ConfigError(problem)
     # the training step's plan: a lower bound of the check's two unsharded models without AC
     check_memory_fits(job_config, world_size, free_machine_memory(local_ranks(world_size), device.type),
@@ -228,10 +227,11 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
     prepares it (``prepare_cp_batch``; ``eos_id``: packed documents); the loss and gradients summed
     over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
     if setup.cp > 1:
-        cp_mesh = sequence_mesh(model)  # the layout the converted attention expects
-        upipe = setup.job_config.upipe
+        job = launched_job(setup.job_config, setup.parallel_dims)  # the mesh and layout the converters used
+        cp_mesh = job.required_cp_mesh()
         batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
-                                 document_balance=upipe.document_balance, document_min_split=upipe.document_min_split)
+                                 document_balance=job.spec.document_balance,
+                                 document_min_split=job.spec.document_min_split)
         local_labels = batch.labels
         pred = model(batch.tokens, **batch.model_kwargs())
     else:
@@ -291,7 +291,6 @@ def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: in
 
 def run_check(argv: list[str]) -> int:
     """The check on this rank (module docstring); the exit code, the same on every rank."""
-    register_plugin()
     setup, owns_process_group = _setup(argv)
     options, job_config = setup.options, setup.job_config
     documents = packs_documents(flavor_args(job_config))

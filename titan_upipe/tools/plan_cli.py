@@ -23,10 +23,9 @@ from titan_upipe.plan.step import plan
 from titan_upipe.spec.units import GIB
 from titan_upipe.tools.plan_arguments import TOOL, build_parser
 from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting
-from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_2.job_plan import async_checkpoint_staging_bytes, plan_input_from_job_config
-from titan_upipe.torchtitan_0_2.registry import register_plugin
+from titan_upipe.torchtitan_0_2.load_job import parse_job
 
 
 def _model_job(args) -> PlanInput:
@@ -62,7 +61,7 @@ def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bo
     """(the job, the paper model whose Table 4 points to plot, the kept attention it asks for) from
     a TOML or ``--model``."""
     if from_config:
-        job_config = parse_config(rest, quiet=True)
+        job_config = parse_job(rest)  # registered first: the plugin's specs and sections
         job = plan_input_from_job_config(job_config, args.world_size, args.device)
         job = replace(job, gpus_per_node=args.gpus_per_node)
         paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items()
@@ -117,7 +116,6 @@ class KeepRequest:
 
 
 def main(argv: list[str] | None = None) -> int:
-    register_plugin()  # TorchTitan must know the plugin's specs, converters and config before a TOML is read
     parser = build_parser()
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     config_flags = ("--job.config_file", "--job.config-file")

@@ -26,25 +26,24 @@ import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
+from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_0_2 import checks, cpu_runtime, job_assets
 from titan_upipe.torchtitan_0_2 import memory_guard as guard
 from titan_upipe.torchtitan_0_2.config import (
     ActivationCheckpointOffload,
-    UPipe,
     plugin_fields,
 )
-from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.cp_inputs import document_layout_text
-from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
+from titan_upipe.torchtitan_0_2.flavors import flavor_args
 from titan_upipe.torchtitan_0_2.job_plan import (
     async_checkpoint_staging_bytes,
     machine_memory_here,
     plan_from_job_config,
     size_keep_attention_of_job,
 )
-from titan_upipe.torchtitan_0_2.job_spec import writes_async_checkpoints
-from titan_upipe.torchtitan_0_2.registry import register_plugin
+from titan_upipe.torchtitan_0_2.job_spec import job_spec, writes_async_checkpoints
+from titan_upipe.torchtitan_0_2.load_job import parse_job
 
 GIB = 1024**3
 
@@ -91,11 +90,11 @@ class LayoutSummary:
         return rows
 
 
-def document_layout_summary(job_config, ring_degree: int) -> str | None:
+def document_layout_summary(spec: JobSpec) -> str | None:
     """How a ring lays packed documents out (None: no ring, or no packed documents)."""
-    if ring_degree < 2 or not packs_documents(flavor_args(job_config, update=False)):
+    if spec.layout.ring_degree < 2 or not spec.documents:
         return None
-    return document_layout_text(plugin_fields(job_config.upipe, UPipe), ring_degree, job_config.training.seq_len)
+    return document_layout_text(spec)
 
 
 def keep_attention_text(job_config, world_size: int, host_mem_bytes: int | None) -> str | None:
@@ -214,17 +213,17 @@ def host_memory_problem(job_config, world_size: int, host_mem_bytes: int | None,
 
 def summarize(job_config, world_size: int, host_mem_bytes: int | None = None, device: str | None = None
               ) -> LayoutSummary:
-    """The resolved layout of a job the checks accepted (``checks.cp_layout``)."""
-    n_heads, n_kv_heads = checks.model_heads(job_config)
-    layout = checks.cp_layout(job_config)
+    """The resolved layout of a job the checks accepted (its ``JobSpec``)."""
+    spec = job_spec(job_config, world_size)
+    layout = spec.layout
     mode = None if layout.mode is None else layout.mode.value
     return LayoutSummary(
         model=job_config.model.name, flavor=job_config.model.flavor, world_size=world_size,
-        n_heads=n_heads, n_kv_heads=n_kv_heads, cp_mode=mode, cp_degree=layout.cp_degree,
+        n_heads=spec.model.n_heads, n_kv_heads=spec.model.n_kv_heads, cp_mode=mode, cp_degree=layout.cp_degree,
         ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree,
-        heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=job_config.training.seq_len,
+        heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=spec.seq_len,
         converters=tuple(job_config.model.converters),
-        document_layout=document_layout_summary(job_config, layout.ring_degree),
+        document_layout=document_layout_summary(spec),
         kept_attention=keep_attention_text(job_config, world_size, host_mem_bytes), device=device,
     )
 
@@ -242,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
                              "else cuda for a bf16/fp16 job and cpu for a float32 one)")
     args, overrides = parser.parse_known_args(argv)
-    register_plugin()
     try:
-        job_config = parse_config(["--job.config_file", args.config, *overrides], quiet=True)
+        job_config = parse_job(["--job.config_file", args.config, *overrides])
     except (ConfigError, ValueError, TypeError) as err:
         print(f"{args.config}: cannot be parsed:\n  - {err}")
         return 1

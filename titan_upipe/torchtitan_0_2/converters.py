@@ -2,8 +2,8 @@
 
 * ``ulysses``, ``upipe``, ``ring``, ``usp``: context-parallel attention in every block; ``tsp``:
   attention and feed-forward of every block with their weights sharded over the CP ranks. The mesh
-  comes from ``parallel_dims``' CP mesh and the job's ``CPLayout``
-  (``titan_upipe.parallel.context_parallel_mesh``, the same call the trainer makes); U and the
+  and the layout come from the launch's one ``LaunchedJob`` (``launched_job``: the spec's ``CPLayout``
+  and the CP mesh built from it once, which the trainer and the validation loss read too); U and the
   kernel come from ``[upipe]`` (``attention_backend = "auto"`` is resolved here, once, and
   logged with the reasons faster kernels were passed over).
 * ``tiled_mlp``, ``tiled_rmsnorm``, ``fused_rope``, ``fused_ce``: the memory transforms
@@ -24,14 +24,13 @@ from torchtitan.tools.logging import logger
 
 from titan_upipe.attention.module import convert_attention_of_blocks
 from titan_upipe.parallel.inputs import LayoutCheck
-from titan_upipe.parallel.mesh import layout_mesh
 from titan_upipe.spec.cp_layout import CPMode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice, compute_dtype
 from titan_upipe.torchtitan_0_2.config import (
     Transforms,
     plugin_fields,
 )
-from titan_upipe.torchtitan_0_2.job_spec import job_spec
+from titan_upipe.torchtitan_0_2.launched_job import launched_job
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.model_forward import enable_fused_rope
 from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms
@@ -42,10 +41,11 @@ class _ContextParallelAttentionConverter:
     mode: CPMode
 
     def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        # The job's spec (the adapter's one mapping of its JobConfig: TorchTitan hands a converter
-        # nothing else); its layout is the one the job checks built: mesh shape and U, never re-derived.
-        self.layout = job_spec(job_config).layout
-        self.cp_mesh = layout_mesh(parallel_dims.get_mesh("cp"), self.layout)
+        # The launch's one job (TorchTitan hands a converter nothing but these two): its spec's
+        # layout (mesh shape and U, never re-derived) and the CP mesh, built once for the whole launch.
+        job = launched_job(job_config, parallel_dims)
+        self.spec, self.layout = job.spec, job.spec.layout
+        self.cp_mesh = job.required_cp_mesh()
         # Resolved once here (auto included): every block gets the same kernel.
         self.compute_dtype = compute_dtype(job_config)
         self.backend_choice = attention_backend_choice(job_config, layout=self.layout)
@@ -91,18 +91,15 @@ class TSPConverter(_ContextParallelAttentionConverter):
 
     mode = CPMode.TSP
 
-    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-        super().__init__(job_config, parallel_dims)
-        self.settings = job_config.tsp
-
     def convert(self, model: nn.Module) -> None:
+        spec = self.spec
         for block in model.layers.values():
-            convert_block(block, self.cp_mesh, self.backend_choice.name, self.settings.kv_heads_per_bucket,
-                          self.compute_dtype, self.settings.overlap, self.settings.mlp_recompute)
+            convert_block(block, self.cp_mesh, self.backend_choice.name, spec.tsp_kv_heads_per_bucket,
+                          self.compute_dtype, spec.tsp_overlap, spec.tsp_mlp_recompute)
         model.register_forward_pre_hook(LayoutCheck(self.cp_mesh), with_kwargs=True)
         logger.info("Converted attention and feed-forward to TSP over %d ranks (weights sharded over them; K/V "
                     "all-gathers of %s KV heads; overlap %s), %s", self.cp_mesh.size(),
-                    self.settings.kv_heads_per_bucket or "all local", "on" if self.settings.overlap else "off",
+                    spec.tsp_kv_heads_per_bucket or "all local", "on" if spec.tsp_overlap else "off",
                     self.backend_choice.describe())
 
 

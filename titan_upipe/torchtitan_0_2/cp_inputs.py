@@ -1,7 +1,7 @@
 """TorchTitan's side of CP input preparation: the batch's documents read off the model args and
-tokenizer, the mesh read back from the converted model, the ``post_dataloading_process`` tuple
-(the preparation itself: ``titan_upipe.parallel.inputs.prepare_cp_batch``), and the global
-valid-token count over TorchTitan's batch mesh.
+tokenizer, the ``post_dataloading_process`` tuple in the layout of the launch's CP mesh
+(``launched_job``; the preparation itself: ``titan_upipe.parallel.inputs.prepare_cp_batch``), and
+the global valid-token count over TorchTitan's batch mesh.
 """
 
 from __future__ import annotations
@@ -9,31 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 
-from titan_upipe.attention import sequence_mesh
-from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.costs.document_balance import ring_work_ratios, split_threshold
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.document_layout import document_lengths
 from titan_upipe.parallel.document_mask import DocumentMask
 from titan_upipe.parallel.inputs import prepare_cp_batch
-from titan_upipe.spec.cp_layout import CP_MODES
+from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
-
-
-def model_sequence_mesh(model_parts: list[nn.Module]) -> DeviceMesh:
-    """The mesh of the converted attention (validation refused CP > 1 without a converter)."""
-    for part in model_parts:
-        mesh = sequence_mesh(part)
-        if mesh is not None:
-            return mesh
-    raise ConfigError("parallelism.context_parallel_degree > 1 but no attention was converted: "
-                      f"add one of {', '.join(CP_MODES)} to model.converters")
-
 
 MASK_TYPES = ("causal", "block_causal")
 """The ``attn_mask_type`` values the converted attention runs (TorchTitan's Llama3/Qwen3 ones)."""
@@ -55,15 +41,15 @@ def document_eos_id(model_args, tokenizer) -> int | None:
     return eos_id
 
 
-def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_mesh: DeviceMesh,
-                eos_id: int | None = None, upipe=None
+def shard_batch(input_dict: dict[str, torch.Tensor], labels: torch.Tensor, cp_mesh: DeviceMesh, spec: JobSpec,
+                eos_id: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
     """``(tokens [B, S/C], labels [B, S/C], extra inputs, {"positions": [S/C] or [B, S/C], ...})`` of
-    this CP rank (``prepare_cp_batch``): the trainer's ``post_dataloading_process`` contract.
-    ``upipe``: the job's ``[upipe]`` section (its document layout; None: the fixed zigzag)."""
-    balance = ("zigzag", DEFAULT_MIN_SPLIT) if upipe is None else (upipe.document_balance, upipe.document_min_split)
+    this CP rank (``prepare_cp_batch``) in the layout of ``cp_mesh`` and the job's document balance
+    (``spec.document_balance``, ``spec.document_min_split``): the trainer's ``post_dataloading_process``
+    contract."""
     batch = prepare_cp_batch(input_dict["input"], labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
-                             document_balance=balance[0], document_min_split=balance[1])
+                             document_balance=spec.document_balance, document_min_split=spec.document_min_split)
     extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
     return batch.tokens, batch.labels, extra_inputs, batch.model_kwargs()
 
@@ -74,17 +60,12 @@ def global_valid_tokens(batch_valid: torch.Tensor, batch_mesh: DeviceMesh | None
     return batch_valid.float() if batch_mesh is None else dist_utils.dist_sum(batch_valid, batch_mesh)
 
 
-def model_ring_degree(model_parts: list[nn.Module]) -> int:
-    """Ring ranks of the converted attention (1: no ring, e.g. Ulysses or UPipe alone)."""
-    return next((m.ring_degree for part in model_parts for m in part.modules()
-                 if isinstance(m, ContextParallelAttention)), 1)
-
-
-def document_layout_text(upipe, ring_size: int, seq_len: int) -> str:
-    """How packed documents are laid out over a ring of ``ring_size`` (``upipe``: the job's ``[upipe]``
-    section): the trainer logs it once, ``validate`` prints it in its summary."""
-    if upipe.document_balance == "documents":
-        threshold = split_threshold(seq_len, ring_size, upipe.document_min_split)
+def document_layout_text(spec: JobSpec) -> str:
+    """How packed documents are laid out over the job's ring (``spec.layout.ring_degree`` ranks, the
+    ``[upipe]`` document balance): the trainer logs it once, ``validate`` prints it in its summary."""
+    ring_size = spec.layout.ring_degree
+    if spec.document_balance == "documents":
+        threshold = split_threshold(spec.seq_len, ring_size, spec.document_min_split)
         return (f"each batch in its own layout over the ring of {ring_size} (upipe.document_balance = "
                 f"\"documents\": documents of {threshold} tokens or more zigzagged inside themselves, shorter ones "
                 "dealt whole)")

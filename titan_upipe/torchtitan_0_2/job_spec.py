@@ -1,10 +1,10 @@
 """The one place a TorchTitan 0.2 ``JobConfig`` becomes the plugin's ``JobSpec`` (``spec.job_spec``).
 
 The planner reads the spec this builds and nothing else (``plan.spec_input``; the adapter's
-``job_plan`` and ``memory_guard`` plan a JobConfig through it), and the CP converters take their
-layout from it: the one the job checks built on the config (``checks.cp_layout``), which the spec
-carries. ``parallelize``, the trainer and the checks still read the JobConfig; moving them onto
-the spec is the rest of issue 43. The model's shape
+``job_plan`` and ``memory_guard`` plan a JobConfig through it); the tools get it from the door
+(``load_job``); the CP converters, the trainer and the validation loss from the launch's one
+``launched_job``. Its layout is the one the job checks built on the config (``checks.cp_layout``).
+The model's shape
 comes from the configured flavor's args, as the trainer builds them (``update_from_config``
 changes no shape the spec holds); the settings from ``[upipe]`` (``[context_parallel]``),
 ``[transforms]``, ``[activation_checkpoint]``, ``[optimizer]``, ``[tsp]``, ``[checkpoint]``,

@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,11 +37,12 @@ from torchtitan.tools.logging import init_logger, logger
 
 from titan_upipe.errors import ConfigError, TrainingStopped, is_rank_zero
 from titan_upipe.torchtitan_0_2 import launch_store
-from titan_upipe.torchtitan_0_2.checks import check_job, config_warnings
+from titan_upipe.torchtitan_0_2.checks import config_warnings
 from titan_upipe.torchtitan_0_2.config import MetricsConsole, plugin_fields
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.interrupts import Interrupted, InterruptWatch, interrupted_line
 from titan_upipe.torchtitan_0_2.job_assets import check_assets, checkpoint_folder, saved_steps
+from titan_upipe.torchtitan_0_2.load_job import JobPreparation, checked_job_of
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
 from titan_upipe.torchtitan_0_2.worker_exit import error_line, exit_after_start, exit_before_start
@@ -81,12 +81,6 @@ def log_on_rank_zero_only(config=None) -> None:
     logging.getLogger().setLevel(logging.INFO if every_rank else logging.ERROR)
 
 
-JobPreparation = Callable[[Any, int], object]
-"""``prepare(job_config, world_size)``: what a tools-layer entry point decides for the job before any
-process group starts, left on the job config (``titan_upipe.train``: the planner sizes
-``keep_attention = "auto"``, ``torchtitan_0_2.job_plan.size_keep_attention_of_job``)."""
-
-
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -96,11 +90,7 @@ def checked_config(args: list[str], prepare: JobPreparation | None = None, world
     """The parsed job after every check that needs no process group (layout, training counts, files)
     and ``prepare``, for ``world_size`` ranks (default: the launch's); rank 0 logs the settings that
     have no effect in this job (``checks.config_warnings``)."""
-    config = parse_config(args, quiet=quiet)
-    world_size = world_size or launched_world_size()
-    check_job(config, world_size)
-    if prepare is not None:
-        prepare(config, world_size)
+    config = checked_job_of(parse_config(args, quiet=quiet), world_size or launched_world_size(), prepare).config
     check_assets(config)
     for warning in config_warnings(config):  # (rank 0 alone logs warnings: log_on_rank_zero_only)
         logger.warning(warning)

@@ -34,7 +34,7 @@ from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 def rank_device() -> torch.device:
     """This process's compute device: ``cuda:LOCAL_RANK`` when TorchTitan runs on CUDA, else the CPU."""
-    # Read at call time: ``register_plugin`` may have pointed TorchTitan at the CPU since import.
+    register_plugin()  # it points TorchTitan at the CPU where there is no GPU (idempotent)
     if titan_utils.device_type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")

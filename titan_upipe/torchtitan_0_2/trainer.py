@@ -1,7 +1,8 @@
 """TorchTitan's ``Trainer`` with the plugin's inputs, validator and counters.
 
 * **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
-  attention's layout (``titan_upipe.parallel.inputs.prepare_cp_batch``), not TorchTitan's head-tail one;
+  attention's layout (``titan_upipe.parallel.inputs.prepare_cp_batch`` on the launch's CP mesh,
+  ``launched_job``: the mesh the converters built), not TorchTitan's head-tail one;
   ``attn_mask_type = "block_causal"`` adds the whole batch's documents (split after each EOS)
   as ``attention_masks`` (``cp_inputs.document_eos_id``), whatever the ``attn_type``.
 * **Validation.** ``validation.enable`` runs ``titan_upipe.torchtitan_0_2.validation_loss.LayoutValidator`` (the train
@@ -44,19 +45,17 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from titan_upipe.parallel.inputs import valid_tokens
-from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     batch_ring_work,
     document_eos_id,
     document_layout_text,
     global_valid_tokens,
-    model_ring_degree,
-    model_sequence_mesh,
     shard_batch,
 )
 from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_0_2.health import NONFINITE_TAG, build_guard, global_step_values
+from titan_upipe.torchtitan_0_2.launched_job import launched_job
 from titan_upipe.torchtitan_0_2.progress import build_step_progress
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -72,6 +71,7 @@ class ContextParallelTrainer(Trainer):
             self.metrics_processor.document_stats = take_stats
         self.progress = build_step_progress(job_config, self.model_parts, self.device)
         self.health = build_guard(job_config, self.checkpointer)
+        self._logged_document_layout = False
 
     @property
     def data_parallel_degree(self) -> int:
@@ -84,18 +84,18 @@ class ContextParallelTrainer(Trainer):
         if not self.parallel_dims.cp_enabled:
             return super().post_dataloading_process(input_dict, labels)
         eos_id = document_eos_id(self.model_args, self.tokenizer)
-        upipe = getattr(self.job_config, "upipe", None)  # the plugin's section (the document layout)
-        if getattr(self, "_cp_sequence_mesh", None) is None:
-            self._cp_sequence_mesh = model_sequence_mesh(self.model_parts)
-            self._cp_ring_degree = model_ring_degree(self.model_parts)
-            if eos_id is not None and self._cp_ring_degree > 1 and upipe is not None:
-                logger.info("packed documents: " + document_layout_text(upipe, self._cp_ring_degree,
-                                                                         self.job_config.training.seq_len))
-        if eos_id is not None and self._cp_ring_degree > 1 and hasattr(self.metrics_processor, "ring_work"):
-            # what the ring's synchronous steps cost this batch (the busiest ring rank sets the pace)
-            self.metrics_processor.ring_work.append(batch_ring_work(
-                input_dict["input"], eos_id, self._cp_ring_degree, upipe.document_min_split if upipe else DEFAULT_MIN_SPLIT))
-        return shard_batch(input_dict, labels, self._cp_sequence_mesh, eos_id, upipe)
+        # the launch's one job (the converters built its CP mesh): not read back from the model
+        job = launched_job(self.job_config, self.parallel_dims)
+        ring_degree = job.spec.layout.ring_degree
+        if eos_id is not None and ring_degree > 1:
+            if not self._logged_document_layout:
+                logger.info("packed documents: " + document_layout_text(job.spec))
+                self._logged_document_layout = True
+            if hasattr(self.metrics_processor, "ring_work"):
+                # what the ring's synchronous steps cost this batch (the busiest ring rank sets the pace)
+                self.metrics_processor.ring_work.append(batch_ring_work(
+                    input_dict["input"], eos_id, ring_degree, job.spec.document_min_split))
+        return shard_batch(input_dict, labels, job.required_cp_mesh(), job.spec, eos_id)
 
     def batch_generator(self, data_iterable: Iterable[Batch]) -> Iterator[Batch]:
         """This rank's batches, on the host; counts the step's global tokens (``n_tokens_seen``)

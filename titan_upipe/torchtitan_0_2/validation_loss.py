@@ -32,10 +32,10 @@ from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     document_eos_id,
     global_valid_tokens,
-    model_sequence_mesh,
     shard_batch,
 )
 from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS, build_validation_dataloader
+from titan_upipe.torchtitan_0_2.launched_job import launched_job
 
 
 class LayoutValidator(BaseValidator):
@@ -67,7 +67,8 @@ class LayoutValidator(BaseValidator):
     def _split(self, input_dict, labels, model_parts: list[nn.Module]):
         if self.parallel_dims.cp_enabled:
             eos_id = document_eos_id(model_parts[0].model_args, self.tokenizer)
-            return shard_batch(input_dict, labels, model_sequence_mesh(model_parts), eos_id, getattr(self.job_config, "upipe", None))
+            job = launched_job(self.job_config, self.parallel_dims)  # the mesh the converters built
+            return shard_batch(input_dict, labels, job.required_cp_mesh(), job.spec, eos_id)
         # Without CP, TorchTitan's own split (it also builds flex/varlen masks where a model has them).
         return Validator.post_dataloading_process(self, input_dict, labels, model_parts)
 

@@ -128,8 +128,8 @@ def cp_layout(job_config) -> CPLayout:
     """The job's context-parallel layout (``model.converters``, ``parallelism``, ``[upipe]``, the
     flavor's heads, ``training.seq_len``), validated (raises ConfigError). Built once per job
     config and kept on it: the job checks build it (``check_job``, before any process group) and
-    the converters, ``parallelize``, the trainer, the validation loss and the tools read that same
-    object. It is built again only if one of those settings changed since."""
+    the job's spec carries that same object (``job_spec``) to the converters, the trainer, the
+    validation loss and the tools. It is built again only if one of those settings changed since."""
     mode = cp_mode(job_config.model.converters)
     n_heads, n_kv_heads = model_heads(job_config) if mode is not None else (0, 0)
     settings = (mode, job_config.parallelism.context_parallel_degree, job_config.upipe.ulysses_degree, n_heads,

@@ -1,0 +1,78 @@
+"""The job one launch runs: its ``JobSpec`` and the CP mesh its attention runs on, built once.
+
+TorchTitan 0.2 hands the plugin's hooks only ``(job_config, parallel_dims)``: a model converter
+(``ModelConverter.__init__``), ``parallelize_fn`` and ``build_validator_fn`` get nothing else, and
+the trainer builds its converters inside ``Trainer.__init__``. So the adapter keeps one
+:class:`LaunchedJob` on the JobConfig it describes, and every hook of the launch asks
+:func:`launched_job` for it:
+
+==================================== =========================================================
+caller                               reads
+==================================== =========================================================
+the CP converters (``converters``)   ``spec.layout`` (U, degrees), ``cp_mesh``
+the trainer (``trainer``)            ``cp_mesh``, ``spec.layout.ring_degree``, document balance
+the validation loss                  ``cp_mesh``, document balance
+the parity check, the emulator       ``cp_mesh``, document balance
+==================================== =========================================================
+
+The CP mesh is built here once (``parallel.layout_mesh``: each build creates process groups), not
+read back from the converted model, so nothing downstream depends on which modules the
+conversion produced. A JobConfig changed since (a test, a tool trying candidate settings) gets a
+new ``LaunchedJob``: the held one is reused only while its spec is equal and TorchTitan's CP mesh is
+the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.mesh import layout_mesh
+from titan_upipe.spec.cp_layout import CP_MODES
+from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.torchtitan_0_2.job_spec import job_spec
+
+LAUNCHED_JOB_ATTRIBUTE = "_titan_upipe_launched_job"
+"""Where :func:`launched_job` keeps a JobConfig's ``LaunchedJob``."""
+
+
+@dataclass(frozen=True)
+class LaunchedJob:
+    """A launched job: what it is (``spec``) and where its sequence runs (``cp_mesh``)."""
+
+    spec: JobSpec
+    cp_mesh: DeviceMesh | None
+    """The mesh of the CP attention (``layout_mesh`` of TorchTitan's ``cp`` mesh and ``spec.layout``:
+    1-D, a 1-D "ring" mesh or the 2-D ``(ring, ulysses)`` one); None without CP."""
+    titan_cp_mesh: DeviceMesh | None
+    """TorchTitan's 1-D ``cp`` mesh it was built from (None without CP)."""
+
+    def required_cp_mesh(self) -> DeviceMesh:
+        """``cp_mesh`` of a CP job. The job checks refuse, before launch, a CP degree above 1 without
+        a CP converter and a CP converter at degree 1; this names the fix should a hand-built config
+        get here."""
+        if self.cp_mesh is None:
+            mode = self.spec.mode.value if self.spec.mode is not None else "none"
+            raise ConfigError(f"no context-parallel mesh for parallelism.context_parallel_degree = "
+                              f"{self.spec.cp_degree} with CP mode {mode}: a degree above 1 needs one of "
+                              f"{', '.join(CP_MODES)} in model.converters, and each of them a degree of 2 or more")
+        return self.cp_mesh
+
+
+def launched_job(job_config, parallel_dims) -> LaunchedJob:
+    """The ``LaunchedJob`` of ``job_config`` on ``parallel_dims`` (a TorchTitan 0.2 ``ParallelDims``
+    with its mesh built): the held one while the spec is equal and the ``cp`` mesh the same object,
+    else built (the CP mesh once: process groups) and held on ``job_config``."""
+    spec = job_spec(job_config, parallel_dims.world_size)
+    titan_cp_mesh = parallel_dims.get_optional_mesh("cp")
+    held = vars(job_config).get(LAUNCHED_JOB_ATTRIBUTE)
+    if held is not None and held.spec == spec and held.titan_cp_mesh is titan_cp_mesh:
+        return held
+    cp_mesh = None
+    if titan_cp_mesh is not None and spec.layout.mode is not None:
+        cp_mesh = layout_mesh(titan_cp_mesh, spec.layout)
+    job = LaunchedJob(spec, cp_mesh, titan_cp_mesh)
+    vars(job_config)[LAUNCHED_JOB_ATTRIBUTE] = job
+    return job
