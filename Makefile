@@ -3,13 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# TorchTitan 0.3 beside the default 0.2.2: its wheels (no dependencies: the venv has them) in a folder
+# put first on PYTHONPATH for the second test pass (tests_tt03/; docs/torchtitan_versions.md).
+TT03 := .tt03
+TT03_STAMP := $(TT03)/.installed
+TT03_WHEELS := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1
 NPROC ?= 2
 RUN_CONFIG ?= configs/debug/llama3_upipe.toml
 RUN_ARGS ?=
 
 .PHONY: install test run lint clean bench-attention bench-memory gpu-suite fa4-compile
 
-install: $(STAMP)
+install: $(STAMP) $(TT03_STAMP)
 
 # Without CUDA, torch==2.13.0 first: pip then keeps the local CPU build instead of
 # resolving `torch>=2.11` to a multi-GB CUDA wheel.
@@ -24,8 +29,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
+$(TT03_STAMP): $(STAMP)
+	rm -rf $(TT03)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(TT03) $(TT03_WHEELS)
+	touch $(TT03_STAMP)
+
+# The whole suite on TorchTitan 0.2.2, then the 0.3 adapter's tests on TorchTitan 0.3.0.
+test: $(STAMP) $(TT03_STAMP)
 	$(BIN)/python -m pytest -q tests
+	PYTHONPATH=$(TT03) $(BIN)/python -m pytest -q tests_tt03
 
 # The embedded default: UPipe context parallelism (CP=2, U=C) + FSDP on 2 CPU gloo ranks,
 # ~30 steps of the synthetic copy task. At the end the trainer logs the TensorBoard command for
@@ -75,7 +87,7 @@ fa4-compile: $(FA4_STAMP)
 	TITAN_UPIPE_REQUIRE_FA4=1 $(BIN)/python -m pytest -q tests/test_fa4_compile.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check titan_upipe tests scripts
+	$(BIN)/ruff check titan_upipe tests tests_tt03 scripts
 
 clean:
 	rm -rf outputs .pytest_cache .ruff_cache build dist *.egg-info

@@ -21,20 +21,22 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 LAYERS = {
     "core": ("errors", "resources", "spec", "plan", "parallel", "attention", "transforms", "tsp", "optim", "costs",
              "contracts"),
-    "glue": ("torchtitan_0_2", "data", "plugin", "config"),
+    "glue": ("torchtitan_0_2", "torchtitan_0_3", "adapter", "data", "plugin", "config"),
     "tools": ("toolkit", "tools", "emulate", "train", "validate", "check", "gpu_suite"),
 }
 """Folders (and the root's few modules) by layer: ``errors`` is the error type; ``plugin`` and
 ``config`` are TorchTitan's entry points (``custom_import``, ``custom_config_module``); ``train``,
 ``validate``, ``check`` and ``gpu_suite`` are ``-m`` shims over the glue and the tools."""
-ROOT_MODULES = ("__init__", "errors", "plugin", "config", "train", "validate", "check", "gpu_suite")
+ROOT_MODULES = ("__init__", "errors", "adapter", "plugin", "config", "train", "validate", "check", "gpu_suite")
 MAX_ROOT_MODULES = 12
 ORDER = {"core": 0, "glue": 1, "tools": 2}
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 PURE_FOLDERS = ("spec", "costs", "plan")
 """Folders of arithmetic alone: they import neither torch nor TorchTitan (the planner reads them)."""
-ADAPTER = "torchtitan_0_2"
+ADAPTERS = ("torchtitan_0_2", "torchtitan_0_3")
+"""One folder per TorchTitan version (``titan_upipe.adapter`` chooses by the installed one): the only
+folders that import TorchTitan, and none imports another."""
 TORCHTITAN_OUTSIDE_ADAPTER: set[str] = set()
 """Modules outside the adapter allowed to import TorchTitan: none (issue 43 moved the last behind it).
 A module on it that no longer imports TorchTitan is reported, so the set cannot go stale."""
@@ -191,9 +193,15 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
         folder = module.split(".")[1] if "." in module else ""
         if module in TORCHTITAN_OUTSIDE_ADAPTER and not any(t.split(".")[0] == "torchtitan" for t in targets):
             problems.append(f"{module} imports no TorchTitan any more: take it off TORCHTITAN_OUTSIDE_ADAPTER")
-        if folder != ADAPTER and module not in TORCHTITAN_OUTSIDE_ADAPTER:
-            problems += [f"{module} imports {t}: TorchTitan is imported in {ADAPTER}/ only" for t in targets
-                         if t.split(".")[0] == "torchtitan"]
+        if folder not in ADAPTERS and module not in TORCHTITAN_OUTSIDE_ADAPTER:
+            problems += [f"{module} imports {t}: TorchTitan is imported in the adapter folders "
+                         f"({', '.join(a + '/' for a in ADAPTERS)}) only" for t in targets if t.split(".")[0] == "torchtitan"]
+    for module, targets in sorted(graph.items()):
+        folder = module.split(".")[1] if "." in module else ""
+        if folder in ADAPTERS:
+            problems += [f"{module} imports {t}: an adapter speaks one TorchTitan version and imports no other adapter"
+                         for t in sorted(targets) if len(t.split(".")) > 1 and t.split(".")[1] in ADAPTERS
+                         and t.split(".")[1] != folder]
     for module, tree in sorted(trees.items()):
         if module not in LAYOUT_BUILDERS:
             names = {"CPLayout"} | {alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
@@ -251,7 +259,7 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
         ("titan_upipe.torchtitan_0_2.flavors", "\n\ndef _late():\n    from titan_upipe.torchtitan_0_2 import checks\n",
          "import cycle"),
         ("titan_upipe.attention.ring", "\nfrom titan_upipe import config\n", "imports must point down"),
-        ("titan_upipe.transforms.tiling", "\nimport torchtitan.models.llama3\n", "imported in torchtitan_0_2/ only"),
+        ("titan_upipe.transforms.tiling", "\nimport torchtitan.models.llama3\n", "imported in the adapter folders"),
         ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
         ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
         # a folder-level circle without a module cycle (what attention <-> parallel was before issue 43)
@@ -259,8 +267,8 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
          "folder import cycle"),
         ("titan_upipe.spec.units", "\nimport torch\n", "(spec: arithmetic) imports torch"),
         ("titan_upipe.costs.attention_comm", "\nimport torch\n", "(costs: arithmetic) imports torch"),
-        ("titan_upipe.plan.search", "\nimport torchtitan.tools.logging\n", "imported in torchtitan_0_2/ only"),
-        ("titan_upipe.data.packing", "\nimport torchtitan\n", "imported in torchtitan_0_2/ only"),
+        ("titan_upipe.plan.search", "\nimport torchtitan.tools.logging\n", "imported in the adapter folders"),
+        ("titan_upipe.data.packing", "\nimport torchtitan\n", "imported in the adapter folders"),
         ("titan_upipe.torchtitan_0_2.converters", "\n\ndef _own():\n    return CPLayout(None)\n", "constructs a CPLayout"),
         ("titan_upipe.torchtitan_0_2.converters",
          "\nfrom titan_upipe.spec.cp_layout import CPLayout as Layout\n\n\ndef _own():\n    return Layout(None)\n",
@@ -271,8 +279,10 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
         ("titan_upipe.costs.attention_comm", "\nfrom titan_upipe.parallel import layout\n",
          "(costs: arithmetic) imports torch"),
         ("titan_upipe.attention.ring", "\n\ndef _late():\n    importlib.import_module('torchtitan.models')\n",
-         "imported in torchtitan_0_2/ only"),
+         "imported in the adapter folders"),
         ("titan_upipe.spec.units", "\n\ndef _late():\n    return __import__('torch')\n", "(spec: arithmetic) imports torch"),
+        ("titan_upipe.torchtitan_0_3.flavors", "\nfrom titan_upipe.torchtitan_0_2 import flavors as old\n",
+         "imports no other adapter"),
         # a deferred import of the package: refused in a module, allowed in a -m entry module only
         ("titan_upipe.tools.plan_cli", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
     ],

@@ -1,0 +1,69 @@
+"""The adapter is chosen by the installed TorchTitan's version (``titan_upipe.adapter``), nowhere else."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_upipe import adapter
+from titan_upipe.errors import ConfigError
+
+PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
+
+
+@pytest.mark.parametrize("version,package", [
+    ("0.2.2", "titan_upipe.torchtitan_0_2"), ("0.2.0", "titan_upipe.torchtitan_0_2"),
+    ("0.3.0", "titan_upipe.torchtitan_0_3"), ("0.3.1.dev20261201", "titan_upipe.torchtitan_0_3"),
+])
+def test_each_release_has_its_adapter(version, package):
+    assert adapter.adapter_package(version) == package
+
+
+def test_this_environment_runs_the_0_2_adapter():
+    assert adapter.installed_torchtitan_version() == "0.2.2"
+    assert adapter.adapter_package() == "titan_upipe.torchtitan_0_2"
+
+
+@pytest.mark.parametrize("version", ["0.1.0", "0.4.0", "1.0.0"])
+def test_a_release_without_an_adapter_is_refused_with_the_supported_ones(version):
+    with pytest.raises(ConfigError, match=rf"torchtitan {version} is not supported by titan_upipe: valid versions are "
+                                          r"0\.2\.x, 0\.3\.x; pip install torchtitan==0\.2\.2"):
+        adapter.adapter_package(version)
+
+
+def test_no_torchtitan_installed_is_refused_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(adapter, "installed_torchtitan_version", lambda: None)
+    with pytest.raises(ConfigError, match=r"TorchTitan is not installed: pip install torchtitan==0\.2\.2"):
+        adapter.adapter_package()
+
+
+def test_choosing_imports_no_torchtitan():
+    code = "import sys, titan_upipe.adapter as a; a.adapter_package(); print(sorted(m for m in sys.modules " \
+           "if m.split('.')[0] in ('torchtitan', 'torch')))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+def torchtitan_version_readers(root: Path) -> set[str]:
+    """Modules under ``root`` that read TorchTitan's version: ``version("torchtitan")`` (importlib.metadata)
+    or ``torchtitan.__version__``."""
+    readers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            reads_metadata = (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", ""))
+                              == "version" and node.args and getattr(node.args[0], "value", None) == "torchtitan")
+            reads_attribute = (isinstance(node, ast.Attribute) and node.attr == "__version__"
+                               and getattr(node.value, "id", None) == "torchtitan")
+            if reads_metadata or reads_attribute:
+                readers.add(path.relative_to(root).as_posix())
+    return readers
+
+
+def test_no_module_outside_the_chooser_reads_the_torchtitan_version(tmp_path):
+    assert torchtitan_version_readers(PACKAGE) == {"adapter.py"}
+    (tmp_path / "trainer.py").write_text("import torchtitan\nOLD = torchtitan.__version__.startswith('0.2')\n")
+    (tmp_path / "checks.py").write_text("from importlib import metadata\nV = metadata.version('torchtitan')\n")
+    assert torchtitan_version_readers(tmp_path) == {"trainer.py", "checks.py"}

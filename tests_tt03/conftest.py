@@ -1,0 +1,15 @@
+"""The TorchTitan 0.3 pass of ``make test``: these tests run only where TorchTitan 0.3 is the installed
+one (``make test`` puts the ``.tt03`` environment first on ``PYTHONPATH``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_upipe.adapter import installed_torchtitan_version
+
+
+def pytest_configure(config):
+    version = installed_torchtitan_version()
+    if version is None or not version.startswith("0.3."):
+        pytest.exit(f"tests_tt03 runs on TorchTitan 0.3, found {version}: run `make test` (it builds .tt03 with "
+                    "`make install`), or PYTHONPATH=.tt03 .venv/bin/python -m pytest tests_tt03", returncode=2)

@@ -1,0 +1,58 @@
+"""The TorchTitan 0.3 adapter reads the models' shapes as the 0.2 one does.
+
+The planner's named models (``plan.models.KNOWN_MODELS``, the paper's Llama3-8B and Qwen3-32B) are
+checked against 0.2's flavors in ``tests/test_job_spec.py``; here the same rows against 0.3's, so
+a job spec's model is the same on both versions. The adapter chooser names the 0.3 adapter here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from titan_upipe.adapter import adapter_package
+from titan_upipe.errors import ConfigError
+from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS
+from titan_upipe.torchtitan_0_3 import flavors
+
+
+def test_the_installed_torchtitan_chooses_the_0_3_adapter():
+    assert adapter_package() == "titan_upipe.torchtitan_0_3"
+    importlib.import_module(adapter_package())
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
+def test_the_named_models_are_torchtitan_0_3s_flavors(name):
+    model_name, flavor = MODEL_FLAVORS[name]
+    assert dataclasses.replace(flavors.flavor_model_dims(f"{model_name}:{flavor}"), name=name) == KNOWN_MODELS[name]
+
+
+def test_the_shape_is_read_off_the_config_tree():
+    """TorchTitan's own debug flavors: Llama3's head_dim from dim / heads, Qwen3's set, tied and qk-norm."""
+    llama = flavors.flavor_model_dims("llama3:debugmodel")
+    assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.head_dim, llama.rope) == \
+        (256, 6, 16, 16, 16, "llama3")
+    qwen = flavors.flavor_model_dims("qwen3:debugmodel")
+    assert (qwen.head_dim, qwen.qk_norm, qwen.tied, qwen.rope) == (128, True, True, "qwen3")
+    # the reader fails a model whose blocks differ (a broken variant of the same tree)
+    spec = flavors.model_spec("llama3", "debugmodel")
+    wider = dataclasses.replace(spec.model.layers[1].feed_forward,
+                                w1=dataclasses.replace(spec.model.layers[1].feed_forward.w1, out_features=1024))
+    spec.model.layers[1] = dataclasses.replace(spec.model.layers[1], feed_forward=wider)
+    with pytest.raises(ConfigError, match="its blocks differ in shape"):
+        flavors.model_dims_from_config("broken", spec.model)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("qwen3:30B-A3B", r"feed-forward is none \(a mixture-of-experts block\) is not run by titan_upipe: valid blocks"),
+    ("upipe_llama3:9B", r"model.flavor = '9B' is not a flavor of upipe_llama3 on TorchTitan 0.3: valid values are "
+                        r"debugmodel, 1B, 3B, 8B"),
+    ("deepseek_v3:16B", r"model.name = 'deepseek_v3' is not a model titan_upipe runs on TorchTitan 0.3: valid values "
+                        r"are upipe_llama3, upipe_qwen3, llama3, qwen3"),
+    ("llama3", r"use <model.name>:<flavor>"),
+])
+def test_a_model_the_adapter_cannot_run_is_named_with_the_valid_ones(name, message):
+    with pytest.raises(ConfigError, match=message):
+        flavors.flavor_model_dims(name)

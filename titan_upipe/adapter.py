@@ -1,0 +1,46 @@
+"""Which TorchTitan adapter runs: chosen by the installed TorchTitan's version, here and nowhere else.
+
+============== ================================= ================================================
+TorchTitan     adapter package                   what it hosts
+============== ================================= ================================================
+0.2.x          ``titan_upipe.torchtitan_0_2``    every feature (the default install)
+0.3.x          ``titan_upipe.torchtitan_0_3``    the model shapes (``flavors``); the rest is
+                                                 issue 44's work (docs/torchtitan_versions.md)
+============== ================================= ================================================
+
+The version is read from the installed distribution's metadata (``importlib.metadata``), so this
+module imports no TorchTitan and has no side effect on import.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from titan_upipe.errors import ConfigError
+
+ADAPTERS = {"0.2": "titan_upipe.torchtitan_0_2", "0.3": "titan_upipe.torchtitan_0_3"}
+"""``major.minor`` of a TorchTitan release -> the adapter package that speaks its API."""
+
+INSTALL_HINT = ("pip install torchtitan==0.2.2 (every feature; `make install`), or torchtitan==0.3.0 beside it "
+                "(`make install` builds that environment too: docs/torchtitan_versions.md)")
+
+
+def installed_torchtitan_version() -> str | None:
+    """The installed TorchTitan's version (None: not installed)."""
+    try:
+        return metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def adapter_package(version: str | None = None) -> str:
+    """The adapter package for TorchTitan ``version`` (default: the installed one). Raises ConfigError
+    naming the supported versions for one no adapter speaks, or none installed."""
+    version = installed_torchtitan_version() if version is None else version
+    if version is None:
+        raise ConfigError(f"TorchTitan is not installed: {INSTALL_HINT}")
+    release = ".".join(version.split(".")[:2])
+    if release not in ADAPTERS:
+        raise ConfigError(f"torchtitan {version} is not supported by titan_upipe: valid versions are "
+                          f"{', '.join(f'{r}.x' for r in ADAPTERS)}; {INSTALL_HINT}")
+    return ADAPTERS[release]

@@ -1,0 +1,15 @@
+"""The adapter for TorchTitan 0.3 (``titan_upipe.adapter`` chooses it by the installed version).
+
+TorchTitan 0.3 builds a model from a ``ModelSpec`` that a family's ``model_registry(flavor)``
+returns, its shape in nested ``Module.Config`` objects (docs/torchtitan_0_3.md, section 2). What is
+here so far:
+
+=========== ===========================================================================
+module      what
+=========== ===========================================================================
+flavors     a 0.3 ``ModelSpec``'s shape as the core's ``ModelDims`` (the JobSpec's model)
+=========== ===========================================================================
+
+Nothing here imports ``titan_upipe.torchtitan_0_2`` (``tests/test_layers.py``), and no module
+outside this folder imports TorchTitan 0.3's API.
+"""
