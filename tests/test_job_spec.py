@@ -55,8 +55,14 @@ def test_plan_help_answers_without_torch():
 
 
 def test_the_setting_names_are_the_runtime_ones():
+    from titan_upipe.attention.backends import BACKEND_SETTINGS
+    from titan_upipe.spec import sections
+    from titan_upipe.transforms.fused_ce import CE_BACKENDS
+
     assert tuple(BACKENDS) == settings.ATTENTION_BACKEND_NAMES
     assert KEEP_ATTENTION is settings.KEEP_ATTENTION
+    # the sections' valid values (spec.sections, torch-free) are the runtime's, in its order
+    assert sections.ATTENTION_BACKENDS == BACKEND_SETTINGS and sections.KERNEL_BACKENDS == CE_BACKENDS
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_MODELS))

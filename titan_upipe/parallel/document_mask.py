@@ -20,12 +20,13 @@ from typing import Literal
 
 import torch
 
-from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.document_layout import BatchDocumentLayout
 from titan_upipe.parallel.mesh import mesh_degrees
 from titan_upipe.parallel.sequence import layout_for
 from titan_upipe.spec.document_deal import zigzag_ring_runs
-from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT, DOCUMENT_BALANCES
+from titan_upipe.spec.sections import check_document_balance
+from titan_upipe.spec.settings import DEFAULT_MIN_SPLIT
 
 Tensor = torch.Tensor
 BlockKindName = Literal["skip", "masked", "causal", "full"]
@@ -264,17 +265,6 @@ class DocumentMask:
             if len(set(seg_docs)) != len(seg_docs):
                 return False
         return True
-
-
-def check_document_balance(balance: str, min_split: int, section: str = "") -> None:
-    """``balance`` is one of ``DOCUMENT_BALANCES`` and ``min_split`` a positive token count; the message
-    names the keys under ``section`` (``"upipe."`` for the TOML's ``[upipe]``)."""
-    if balance not in DOCUMENT_BALANCES:
-        raise ConfigError(with_suggestion(f"invalid {section}document_balance = {balance!r}: valid values are "
-                                          f"{', '.join(DOCUMENT_BALANCES)}", balance, DOCUMENT_BALANCES))
-    if isinstance(min_split, bool) or not isinstance(min_split, int) or min_split < 1:
-        raise ConfigError(f"invalid {section}document_min_split = {min_split!r}: valid values are a positive number "
-                          f"of tokens (default {DEFAULT_MIN_SPLIT})")
 
 
 def balanced_for_mesh(mask: DocumentMask, cp_mesh, balance: str, min_split: int = DEFAULT_MIN_SPLIT) -> DocumentMask:

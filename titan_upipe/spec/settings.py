@@ -10,6 +10,9 @@ from __future__ import annotations
 ATTENTION_BACKEND_NAMES = ("sdpa", "math", "cudnn", "flash_attn", "flash_attn3", "flash_attn4")
 """``[upipe] attention_backend`` besides ``auto``: the local kernels (``attention.backends.BACKENDS``)."""
 
+CE_BACKEND_NAMES = ("auto", "torch", "liger")
+"""``[transforms] ce_backend``: the fused cross-entropy kernels (``transforms.fused_ce``)."""
+
 DOCUMENT_BALANCES = ("zigzag", "documents")
 """``[upipe] document_balance``: the fixed zigzag (``ZigzagLayout``) or each batch's own layout
 (``parallel.BatchDocumentLayout``)."""

@@ -27,6 +27,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.spec.settings import CE_BACKEND_NAMES
 from titan_upipe.transforms.tiling import accumulate_matmul, tile_bounds
 
 Tensor = torch.Tensor
@@ -86,7 +87,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 None if grad_w is None else grad_w.to(weight.dtype), None, None)
 
 
-CE_BACKENDS = ("auto", "torch", "liger")
+CE_BACKENDS = CE_BACKEND_NAMES
 """Values of ``[transforms] ce_backend``."""
 
 
