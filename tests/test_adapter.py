@@ -67,3 +67,32 @@ def test_no_module_outside_the_chooser_reads_the_torchtitan_version(tmp_path):
     (tmp_path / "trainer.py").write_text("import torchtitan\nOLD = torchtitan.__version__.startswith('0.2')\n")
     (tmp_path / "checks.py").write_text("from importlib import metadata\nV = metadata.version('torchtitan')\n")
     assert torchtitan_version_readers(tmp_path) == {"trainer.py", "checks.py"}
+
+
+DOOR = ("spec_of_recipe", "flavor_model_dims")
+"""What the version-neutral tools call on ``adapter_module("load_job")`` (``tools/plan_cli.py``)."""
+
+
+def door_functions(path: Path) -> set[str]:
+    """Names ``path`` defines or imports at its top level."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def test_every_adapter_opens_the_same_door():
+    for folder in ("torchtitan_0_2", "torchtitan_0_3"):
+        assert set(DOOR) <= door_functions(PACKAGE / folder / "load_job.py"), folder
+    from titan_upipe.torchtitan_0_2 import load_job
+
+    assert adapter.adapter_module("load_job") is load_job
+
+
+def test_the_planner_reaches_the_adapter_through_the_chooser_alone():
+    """``plan`` names no adapter: the installed TorchTitan's is chosen at run time."""
+    text = (PACKAGE / "tools" / "plan_cli.py").read_text()
+    assert "torchtitan_0_2" not in text and "torchtitan_0_3" not in text and "adapter_module(" in text

@@ -18,7 +18,6 @@ from titan_upipe.spec import settings
 from titan_upipe.spec.cp_layout import CPLayout
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_2.checks import cp_layout
-from titan_upipe.torchtitan_0_2.checks.keep_attention import KEEP_ATTENTION
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_2.job_spec import job_spec
@@ -60,7 +59,6 @@ def test_the_setting_names_are_the_runtime_ones():
     from titan_upipe.transforms.fused_ce import CE_BACKENDS
 
     assert tuple(BACKENDS) == settings.ATTENTION_BACKEND_NAMES
-    assert KEEP_ATTENTION is settings.KEEP_ATTENTION
     # the sections' valid values (spec.sections, torch-free) are the runtime's, in its order
     assert sections.ATTENTION_BACKENDS == BACKEND_SETTINGS and sections.KERNEL_BACKENDS == CE_BACKENDS
 

@@ -179,7 +179,7 @@ def test_a_loader_saves_the_keys_the_checkpoint_check_expects(assets):
 
 # --- the walk: every refusal after process-group start is met before launch ----------------------
 
-PRE_LAUNCH = ("checks/", "job_assets/", "launch.py", "config.py", "config_parse.py", "config_file.py", "flavors.py",
+PRE_LAUNCH = ("checks/", "job_assets/", "launch.py", "config.py", "config_parse.py", "flavors.py",
               "specs.py", "registry.py", "cpu_runtime.py", "torchtitan_launch.py", "job_spec.py", "job_plan.py",
               "memory_guard.py", "model_classes.py", "datasets.py")
 """Modules of ``torchtitan_0_2/`` that run before the process groups start (the rest, and ``data/``,

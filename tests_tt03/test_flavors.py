@@ -56,3 +56,15 @@ def test_the_shape_is_read_off_the_config_tree():
 def test_a_model_the_adapter_cannot_run_is_named_with_the_valid_ones(name, message):
     with pytest.raises(ConfigError, match=message):
         flavors.flavor_model_dims(name)
+
+
+def test_every_module_of_the_0_3_adapter_imports_on_torchtitan_0_3():
+    """The main suite imports the installed adapter's modules only (tests/test_layers.py); this pass, 0.3's."""
+    import pkgutil
+
+    import titan_upipe.torchtitan_0_3 as adapter_0_3
+
+    names = [m.name for m in pkgutil.walk_packages(adapter_0_3.__path__, "titan_upipe.torchtitan_0_3.")]
+    assert len(names) >= 4
+    for name in names:
+        importlib.import_module(name)

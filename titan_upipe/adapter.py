@@ -4,7 +4,8 @@
 TorchTitan     adapter package                   what it hosts
 ============== ================================= ================================================
 0.2.x          ``titan_upipe.torchtitan_0_2``    every feature (the default install)
-0.3.x          ``titan_upipe.torchtitan_0_3``    the model shapes (``flavors``); the rest is
+0.3.x          ``titan_upipe.torchtitan_0_3``    recipes read into a ``Trainer.Config`` and the
+                                                 same ``JobSpec`` (``plan`` runs); training is
                                                  issue 44's work (docs/torchtitan_versions.md)
 ============== ================================= ================================================
 
@@ -14,6 +15,7 @@ module imports no TorchTitan and has no side effect on import.
 
 from __future__ import annotations
 
+import importlib
 from importlib import metadata
 
 from titan_upipe.errors import ConfigError
@@ -44,3 +46,9 @@ def adapter_package(version: str | None = None) -> str:
         raise ConfigError(f"torchtitan {version} is not supported by titan_upipe: valid versions are "
                           f"{', '.join(f'{r}.x' for r in ADAPTERS)}; {INSTALL_HINT}")
     return ADAPTERS[release]
+
+
+def adapter_module(name: str):
+    """``<adapter>.<name>`` for the installed TorchTitan: how a version-neutral tool reaches the adapter's
+    door (``load_job``: ``spec_of_recipe``, ``flavor_model_dims``), imported on first use."""
+    return importlib.import_module(f"{adapter_package()}.{name}")

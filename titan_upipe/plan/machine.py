@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_upipe.plan.job import PlanInput
+
 PLAN_GPU_GIB = 80.0
 """The GPU an ``auto`` keep plan is sized for when no GPU memory is given (``plan --gpu-mem``)."""
+
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+"""A full checkpoint: fp32 weights and AdamW's two fp32 moments."""
 
 HOST_RESERVE_FRACTION = 0.1
 """Of a node's host memory, what sizing ``keep_attention = "auto"`` leaves to everything the planner
@@ -45,3 +50,12 @@ class MachineMemory:
     ranks_per_node: int
     device: str
     """``cuda``, or ``cpu`` (then the "device" is host memory shared by the node's ranks)."""
+
+
+def checkpoint_staging_bytes(async_checkpoint: bool, job: PlanInput) -> int:
+    """Host bytes one node's async checkpoint stages: each rank's shard of what a checkpoint holds
+    (``CHECKPOINT_BYTES_PER_PARAMETER``) for the node's ranks; 0 without async checkpoints."""
+    if not async_checkpoint:
+        return 0
+    shard = CHECKPOINT_BYTES_PER_PARAMETER * job.model.total_params // job.fsdp
+    return shard * min(job.ranks, job.gpus_per_node)

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from titan_upipe.errors import ConfigError
+from titan_upipe.spec.settings import KEEP_ATTENTION
+
 Placement = Literal["device", "host"]
 """Where a block's kept attention waits for its backward."""
 
@@ -56,3 +59,40 @@ NO_KEEP = KeepAttentionPlan()
 def kept_attention_bytes(tokens: int, n_heads: int, head_dim: int, activation_bytes: int) -> int:
     """``T H (D a + 4)``: the bytes one block keeps on one rank (module docstring)."""
     return tokens * n_heads * (head_dim * activation_bytes + 4)
+
+
+AUTO = "auto"
+
+
+def keep_setting_of(where: str, blocks: object, n_layers: int, flavor: str) -> tuple[str, int | None]:
+    """``[activation_checkpoint] keep_attention`` and ``keep_attention_blocks`` as written, read into
+    ``(where, blocks)``: blocks None for ``auto``, else a count from 0 to ``n_layers`` (an int, or a
+    string of digits as TOML and flags may give it). Raises ConfigError for a bad value, naming the
+    valid ones (``flavor``: the model.flavor the count is bounded by)."""
+    if where not in KEEP_ATTENTION:
+        raise ConfigError(f"invalid activation_checkpoint.keep_attention = {where!r}: valid values are "
+                          f"{', '.join(KEEP_ATTENTION)}")
+    if isinstance(blocks, str) and blocks.strip() == AUTO:
+        return where, None
+    count = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else None
+    if isinstance(blocks, str) and blocks.strip().isdigit():
+        count = int(blocks.strip())
+    if count is None or not 0 <= count <= n_layers:
+        raise ConfigError(f"invalid activation_checkpoint.keep_attention_blocks = {blocks!r}: valid values are "
+                          f"\"auto\" (as many as fit) or a number of blocks from 0 to the {n_layers} of model.flavor "
+                          f"{flavor!r}")
+    return where, count
+
+
+def needs_planner_for(where: str, blocks: int | None) -> bool:
+    """Whether a keep setting's plan depends on the machine's memory (``auto`` in either key)."""
+    return where != "off" and (where == AUTO or blocks is None)
+
+
+def stated_plan(where: str, blocks: int | None) -> KeepAttentionPlan | None:
+    """The plan a keep setting states on its own (None where the planner must size it)."""
+    if where == "off" or blocks == 0:
+        return NO_KEEP
+    if needs_planner_for(where, blocks):
+        return None
+    return KeepAttentionPlan(device_blocks=blocks) if where == "device" else KeepAttentionPlan(host_blocks=blocks)

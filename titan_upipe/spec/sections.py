@@ -73,7 +73,7 @@ class UPipe:
     """The context-parallel settings of every CP mode (``ulysses``, ``upipe``, ``ring``, ``usp``,
     ``tsp``): the local kernel and the Ulysses degree for all of them, U for ``upipe`` alone. TOML
     ``[context_parallel]`` or ``[upipe]``, flags ``--context_parallel.X`` or ``--upipe.X``; the field,
-    ``--help`` and the messages keep the plugin's name, ``upipe`` (``config_file.SECTION_ALIASES``,
+    ``--help`` and the messages keep the plugin's name, ``upipe`` (``spec.recipe_file.SECTION_ALIASES``,
     ``docs/config.md``)."""
 
     heads_per_stage: int = 0

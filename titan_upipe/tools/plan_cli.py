@@ -13,25 +13,24 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
+from titan_upipe.adapter import adapter_module
 from titan_upipe.errors import exit_once
 from titan_upipe.plan.job import PlanInput, as_tsp
-from titan_upipe.plan.machine import PLAN_GPU_GIB, keep_host_budget
+from titan_upipe.plan.machine import PLAN_GPU_GIB, checkpoint_staging_bytes, keep_host_budget
 from titan_upipe.plan.models import KNOWN_MODELS, MODEL_FLAVORS
 from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.search import size_keep_attention
+from titan_upipe.plan.spec_input import plan_input_from_spec
 from titan_upipe.plan.step import plan
 from titan_upipe.spec.units import GIB
 from titan_upipe.tools.plan_arguments import TOOL, build_parser
-from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting
-from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
-from titan_upipe.torchtitan_0_2.job_plan import async_checkpoint_staging_bytes, plan_input_from_job_config
-from titan_upipe.torchtitan_0_2.load_job import parse_job
 
 
 def _model_job(args) -> PlanInput:
     """The job of ``--model``: the paper's recipe on the given cluster (bf16 FSDP, offloaded full
     AC, every transform, Liger CE on CUDA), or full AC alone with ``--no-transforms``."""
-    dims = KNOWN_MODELS[args.model] if args.model in KNOWN_MODELS else flavor_model_dims(args.model)
+    dims = (KNOWN_MODELS[args.model] if args.model in KNOWN_MODELS
+            else adapter_module("load_job").flavor_model_dims(args.model))
     mode = args.mode
     ulysses = args.ulysses
     if mode == "upipe-in-usp":
@@ -61,12 +60,13 @@ def _job(parser: argparse.ArgumentParser, args, rest: list[str], from_config: bo
     """(the job, the paper model whose Table 4 points to plot, the kept attention it asks for) from
     a TOML or ``--model``."""
     if from_config:
-        job_config = parse_job(rest)  # registered first: the plugin's specs and sections
-        job = plan_input_from_job_config(job_config, args.world_size, args.device)
-        job = replace(job, gpus_per_node=args.gpus_per_node)
-        paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items()
-                            if (name, flavor) == (job_config.model.name, job_config.model.flavor)), None)
-        keep = KeepRequest(*keep_setting(job_config), async_checkpoint_staging_bytes(job_config, job))
+        # the installed TorchTitan's adapter reads the recipe (0.2: TorchTitan's parser; 0.3: ours)
+        spec = adapter_module("load_job").spec_of_recipe(rest, args.world_size)
+        job = replace(plan_input_from_spec(spec, args.device), gpus_per_node=args.gpus_per_node)
+        paper_model = next((k for k, (name, flavor) in MODEL_FLAVORS.items() if spec.model.name == f"{name}:{flavor}"),
+                           None)
+        keep = KeepRequest(spec.keep_attention, spec.keep_attention_blocks,
+                           checkpoint_staging_bytes(spec.async_checkpoint, job))
     else:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -89,7 +89,7 @@ class KeepRequest:
     where: str
     blocks: int | None
     staging_bytes: int = 0
-    """Host bytes of a node an async checkpoint stages (``job_config.async_checkpoint_staging_bytes``)."""
+    """Host bytes of a node an async checkpoint stages (``plan.machine.checkpoint_staging_bytes``)."""
 
     @property
     def sized_by_planner(self) -> bool:

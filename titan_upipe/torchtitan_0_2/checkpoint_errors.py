@@ -20,7 +20,7 @@ import shutil
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
+from titan_upipe.plan.machine import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.torchtitan_0_2.job_assets.output import byte_size, existing_ancestor
 
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})

@@ -11,7 +11,7 @@ name, then runs ``ConfigManager`` with its console output held back, so what tyr
 (a flag's value) also becomes one ConfigError.
 
 ``[context_parallel]`` and ``--context_parallel.X`` are read as the JobConfig's ``upipe`` section
-(``config_file.SECTION_ALIASES``): the file's keys and the flags are checked under the name written,
+(``spec.recipe_file.SECTION_ALIASES``): the file's keys and the flags are checked under the name written,
 then TorchTitan and tyro get them under ``upipe``.
 """
 
@@ -35,7 +35,7 @@ from torchtitan.config import JobConfig as TorchTitanJobConfig
 from torchtitan.config.manager import custom_registry
 
 from titan_upipe.errors import ConfigError, closest, with_suggestion
-from titan_upipe.torchtitan_0_2.config_file import SECTION_ALIASES, internal_sections, load_toml
+from titan_upipe.spec.recipe_file import SECTION_ALIASES, internal_sections, load_toml
 
 __all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_one_value_per_flag",
            "check_toml",
@@ -49,7 +49,7 @@ CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
-# ---------------------------------------------------------------------------- the file (config_file.py)
+# ---------------------------------------------------------------------------- the file (spec/recipe_file.py)
 
 
 def flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:

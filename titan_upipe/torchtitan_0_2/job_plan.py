@@ -10,7 +10,12 @@ import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job import PlanInput
-from titan_upipe.plan.machine import MachineMemory, cgroup_memory_limit, keep_host_budget
+from titan_upipe.plan.machine import (
+    MachineMemory,
+    cgroup_memory_limit,
+    checkpoint_staging_bytes,
+    keep_host_budget,
+)
 from titan_upipe.plan.result import MemoryPlan
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.spec_input import plan_input_from_spec
@@ -22,7 +27,6 @@ from titan_upipe.torchtitan_0_2.checks.keep_attention import (
     needs_planner,
     set_keep_attention_plan,
 )
-from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.torchtitan_0_2.job_spec import job_spec, writes_async_checkpoints
 
 
@@ -37,12 +41,8 @@ def plan_from_job_config(job_config, world_size: int | None = None, device: str 
 
 
 def async_checkpoint_staging_bytes(job_config, job: PlanInput) -> int:
-    """Host bytes one node's async checkpoint stages: each rank's shard of what a checkpoint holds
-    (fp32 parameters and both AdamW moments, ``CHECKPOINT_BYTES_PER_PARAMETER``); 0 without one."""
-    if not writes_async_checkpoints(job_config):
-        return 0
-    shard = CHECKPOINT_BYTES_PER_PARAMETER * job.model.total_params // job.fsdp
-    return shard * min(job.ranks, job.gpus_per_node)
+    """Host bytes one node's async checkpoint stages (``plan.machine.checkpoint_staging_bytes``)."""
+    return checkpoint_staging_bytes(writes_async_checkpoints(job_config), job)
 
 
 def this_gpu_bytes() -> float:

@@ -16,9 +16,9 @@ spec                 the job's ``JobSpec`` (``job_spec``: the only mapping)     
 ``emulate`` comes in through :func:`load_job`; ``check`` through :func:`parse_job` and
 :func:`checked_job_of` (it refuses a launch of the wrong size first, in its own words); the launch
 (``launch.checked_config``, which registers the plugin first thing in ``launch.main``) through
-:func:`checked_job_of`; ``validate`` (every problem, not the first) and ``plan`` (a TOML for another
-cluster, planned whether or not this machine could launch it) through :func:`parse_job`, the
-first two steps.
+:func:`checked_job_of`; ``validate`` (every problem, not the first) through :func:`parse_job`, the first two steps; ``plan``
+(a TOML for another cluster, planned whether or not this machine could launch it) through
+:func:`spec_of_recipe`, which every adapter has (``titan_upipe.adapter.adapter_module``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,12 @@ from typing import Any
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_2.job_spec import degrees_world_size, job_spec
 from titan_upipe.torchtitan_0_2.registry import register_plugin
+
+__all__ = ["JobPreparation", "LoadedJob", "checked_job_of", "flavor_model_dims", "load_job", "parse_job",
+           "spec_of_recipe"]
 
 JobPreparation = Callable[[Any, int], object]
 """``prepare(job_config, world_size)``: what an entry point decides for the job after its checks and
@@ -75,3 +79,10 @@ def load_job(argv: list[str], world_size: int | None = None, prepare: JobPrepara
     checked, prepared and described (every step of the module table). Raises ConfigError."""
     config = parse_job(argv, quiet)
     return checked_job_of(config, world_size or degrees_world_size(config.parallelism), prepare)
+
+
+def spec_of_recipe(argv: list[str], world_size: int | None = None) -> JobSpec:
+    """The ``JobSpec`` of a recipe on ``world_size`` ranks, parsed without the job checks (the planner
+    plans a TOML for another cluster). The same function on every adapter (``titan_upipe.adapter``),
+    with ``flavor_model_dims``: what the version-neutral planner CLI reads. Raises ConfigError."""
+    return job_spec(parse_job(argv), world_size)

@@ -12,33 +12,24 @@ from __future__ import annotations
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.spec.cp_layout import cp_mode
-from titan_upipe.spec.keep_attention import NO_KEEP, KeepAttentionPlan
-from titan_upipe.spec.settings import KEEP_ATTENTION
+from titan_upipe.spec.keep_attention import (
+    KeepAttentionPlan,
+    keep_setting_of,
+    needs_planner_for,
+    stated_plan,
+)
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, plugin_fields
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 
-AUTO = "auto"
 PLAN_ATTRIBUTE = "_titan_upipe_keep_plan"
 
 
 def keep_setting(job_config) -> tuple[str, int | None]:
-    """``(keep_attention, blocks)``: blocks None for ``auto``. Raises ConfigError for a bad value."""
+    """``(keep_attention, blocks)``: blocks None for ``auto``. Raises ConfigError for a bad value
+    (``spec.keep_attention.keep_setting_of``)."""
     offload = plugin_fields(job_config.activation_checkpoint, ActivationCheckpointOffload)
-    where, blocks = offload.keep_attention, offload.keep_attention_blocks
-    if where not in KEEP_ATTENTION:
-        raise ConfigError(f"invalid activation_checkpoint.keep_attention = {where!r}: valid values are "
-                          f"{', '.join(KEEP_ATTENTION)}")
-    n_layers = flavor_args(job_config, update=False).n_layers
-    if isinstance(blocks, str) and blocks.strip() == AUTO:
-        return where, None
-    count = blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else None
-    if isinstance(blocks, str) and blocks.strip().isdigit():
-        count = int(blocks.strip())
-    if count is None or not 0 <= count <= n_layers:
-        raise ConfigError(f"invalid activation_checkpoint.keep_attention_blocks = {blocks!r}: valid values are "
-                          f"\"auto\" (as many as fit) or a number of blocks from 0 to the {n_layers} of model.flavor "
-                          f"{job_config.model.flavor!r}")
-    return where, count
+    return keep_setting_of(offload.keep_attention, offload.keep_attention_blocks,
+                           flavor_args(job_config, update=False).n_layers, job_config.model.flavor)
 
 
 def check_keep_attention(job_config, world_size: int) -> None:
@@ -65,18 +56,12 @@ def check_keep_attention(job_config, world_size: int) -> None:
 
 def needs_planner(job_config) -> bool:
     """Whether the plan depends on the machine's memory (``auto`` in either key)."""
-    where, blocks = keep_setting(job_config)
-    return where != "off" and (where == AUTO or blocks is None)
+    return needs_planner_for(*keep_setting(job_config))
 
 
 def plan_of_setting(job_config) -> KeepAttentionPlan | None:
     """The plan the config states on its own (None where the planner must size it)."""
-    where, blocks = keep_setting(job_config)
-    if where == "off" or blocks == 0:
-        return NO_KEEP
-    if needs_planner(job_config):
-        return None
-    return KeepAttentionPlan(device_blocks=blocks) if where == "device" else KeepAttentionPlan(host_blocks=blocks)
+    return stated_plan(*keep_setting(job_config))
 
 
 def set_keep_attention_plan(job_config, plan: KeepAttentionPlan) -> None:

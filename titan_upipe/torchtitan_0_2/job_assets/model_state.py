@@ -27,8 +27,6 @@ NON_MODEL_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 """The top-level checkpoint entries that are not the model's (TorchTitan flattens the model's
 parameters to the top level beside these)."""
 
-CHECKPOINT_BYTES_PER_PARAMETER = 12
-"""A full checkpoint: fp32 weights and AdamW's two fp32 moments."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 be created) writable, and the checkpoint folder's disk holds one checkpoint of this model.
 
 A checkpoint's size is estimated from the model built on the meta device
-(``model_state.CHECKPOINT_BYTES_PER_PARAMETER`` per parameter for a full one: fp32 weights and
+(``plan.machine.CHECKPOINT_BYTES_PER_PARAMETER`` per parameter for a full one: fp32 weights and
 AdamW's two moments; the export dtype's bytes for a model-only final save).
 """
 
@@ -13,9 +13,10 @@ import shutil
 import tempfile
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.plan.machine import CHECKPOINT_BYTES_PER_PARAMETER
 from titan_upipe.spec.settings import DTYPE_BYTES
 from titan_upipe.torchtitan_0_2.job_assets.checkpoints import checkpoint_folder
-from titan_upipe.torchtitan_0_2.job_assets.model_state import CHECKPOINT_BYTES_PER_PARAMETER, job_model_state
+from titan_upipe.torchtitan_0_2.job_assets.model_state import job_model_state
 
 
 def byte_size(count: float) -> str:

@@ -1,5 +1,7 @@
-"""A job's TOML file, read as TorchTitan will read it, or refused in one line naming the file.
+"""A job's TOML file (a recipe), read as TorchTitan reads it, or refused in one line naming the file.
 
+Every adapter reads recipes through this module: TorchTitan 0.2.2 also reads the file itself, and
+0.3 reads no TOML at all (``torchtitan_0_3.recipe`` maps the values onto its ``Trainer.Config``).
 TorchTitan 0.2.2 opens the file with ``tomllib`` and lets every failure through as a traceback
 without the file's name: a byte that is not UTF-8 (``UnicodeDecodeError``), a binary file, an
 unreadable one (``PermissionError``). A UTF-8 byte-order mark reads as "Invalid statement (line 1,

@@ -1,0 +1,128 @@
+"""Our TOML recipes on TorchTitan 0.3: the same JobSpec and the same plan as on TorchTitan 0.2.2.
+
+TorchTitan 0.3 reads no TOML; ``torchtitan_0_3.recipe`` maps a recipe onto its ``Trainer.Config`` and
+the plugin's sections, and ``torchtitan_0_3.job_spec`` builds the spec. Every recipe of
+``configs/llama3_8b`` and ``configs/qwen3_32b`` is read on both versions (0.2.2 in a subprocess
+without the 0.3 environment on its path) and the specs compared field by field; ``plan`` prints the
+same JSON on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_3 import recipe as recipes
+from titan_upipe.torchtitan_0_3.job_spec import job_spec
+from titan_upipe.torchtitan_0_3.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(str(p.relative_to(REPO)) for folder in ("llama3_8b", "qwen3_32b")
+                 for p in (REPO / "configs" / folder).glob("*.toml"))
+
+SPECS_ON_0_2 = """
+import dataclasses, json, sys
+from titan_upipe.torchtitan_0_2.load_job import spec_of_recipe
+print(json.dumps({p: dataclasses.asdict(spec_of_recipe(["--job.config_file", p])) for p in sys.argv[1:]},
+                 default=str, sort_keys=True))
+"""
+
+
+def on_torchtitan_0_2(args: list[str]) -> subprocess.CompletedProcess:
+    """``python args`` in this venv without the 0.3 environment on the path: TorchTitan 0.2.2."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+def as_json(spec) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(spec), default=str, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def specs_on_0_2() -> dict:
+    out = on_torchtitan_0_2(["-c", SPECS_ON_0_2, *RECIPES])
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_every_recipe_has_the_same_spec_on_both_versions(specs_on_0_2):
+    assert len(RECIPES) >= 60
+    differences = {path: [name for name, value in as_json(job_spec(load_recipe(["--job.config_file", path]))).items()
+                          if value != specs_on_0_2[path][name]]
+                   for path in RECIPES}
+    assert {path: names for path, names in differences.items() if names} == {}
+
+
+def test_a_recipe_key_left_unmapped_breaks_the_comparison(specs_on_0_2, monkeypatch):
+    """The comparison fails a broken mapping: ``training.seq_len`` set on another field, 0.3 trains its default
+    length."""
+    path = "configs/llama3_8b/upipe_1m.toml"
+    monkeypatch.setitem(recipes.STOCK_KEYS, "training.seq_len", "training.gc_freq")  # the wrong field
+    spec = as_json(job_spec(load_recipe(["--job.config_file", path])))
+    assert spec["seq_len"] != specs_on_0_2[path]["seq_len"]
+
+
+@pytest.mark.parametrize("recipe", ["configs/llama3_8b/upipe_1m.toml", "configs/qwen3_32b/upipe_usp_1m.toml"])
+def test_plan_prints_the_same_json_on_both_versions(recipe):
+    command = ["-m", "titan_upipe.plan", "--job.config_file", recipe, "--json"]
+    on_0_3 = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=REPO, timeout=600)
+    on_0_2 = on_torchtitan_0_2(command)
+    assert on_0_3.returncode == on_0_2.returncode == 0, (on_0_3.stderr[-1000:], on_0_2.stderr[-1000:])
+    assert on_0_3.stdout == on_0_2.stdout and on_0_3.stderr == ""
+
+
+def test_the_recipe_lands_in_the_trainer_config():
+    loaded = load_recipe(["--job.config_file", "configs/llama3_8b/upipe_1m.toml", "--training.seq_len", "524288",
+                          "--activation_checkpoint.pin_memory", "false", "--context_parallel.heads_per_stage", "16"])
+    trainer = loaded.trainer
+    assert (trainer.training.seq_len, trainer.dataloader.dataset, trainer.dump_folder) == \
+        (524288, "local_text", "./outputs/llama3_8b_upipe_1m")
+    assert trainer.optimizer.param_groups[0].optimizer_kwargs["lr"] == 2e-05
+    assert type(trainer.activation_checkpoint).__qualname__ == "FullAC.Config"
+    assert (trainer.checkpoint.enable, trainer.checkpoint.async_mode, trainer.parallelism.context_parallel_degree) == \
+        (True, "async", 8)
+    assert loaded.plugin["activation_checkpoint"].pin_memory is False
+    assert loaded.plugin["upipe"].heads_per_stage == 16 and job_spec(loaded).layout.heads_per_stage == 16
+    assert loaded.converters == ("upipe", "tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce")
+
+
+def test_context_parallel_is_the_same_section_as_upipe(tmp_path):
+    text = (REPO / "configs/llama3_8b/upipe_2m.toml").read_text()
+    aliased = tmp_path / "aliased.toml"
+    aliased.write_text(text.replace("[upipe]", "[context_parallel]"))
+    assert job_spec(load_recipe(["--job.config_file", str(aliased)])) == \
+        job_spec(load_recipe(["--job.config_file", "configs/llama3_8b/upipe_2m.toml"]))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--training.seq_lne", "4096"], r"training.seq_lne \(in .* or the flags\) is not read on TorchTitan 0.3 yet: .*"
+                                     r"did you mean \"training.seq_len\""),
+    (["--upipe.attention_backend", "sdpaa"], r"invalid upipe.attention_backend = 'sdpaa': valid values are auto, sdpa, "
+                                             r"math, cudnn, .*did you mean \"sdpa\""),
+    (["--model.flavor", "debug"], r"model.flavor = 'debug' is not a flavor of upipe_llama3 on TorchTitan 0.3: valid "
+                                  r"values are debugmodel, 1B, 3B, 8B"),
+    (["--activation_checkpoint.mode", "selective"],
+     r"selective_ac_option = '2' \(per-block selective AC: one block in 2 checkpointed\) is not in TorchTitan 0.3"),
+    (["--activation_checkpoint.keep_attention_blocks", "40"],
+     r"invalid activation_checkpoint.keep_attention_blocks = '40': valid values are \"auto\" .* from 0 to the 32"),
+    (["--upipe.heads_per_stage", "3"], r"upipe.heads_per_stage=3 is invalid"),
+    (["--training.seq_len", "many"], r"invalid --training.seq_len 'many': valid values are ints"),
+    (["--optimizer.name", "Adam"], r"optimizer.name = 'Adam' is not run by titan_upipe on TorchTitan 0.3"),
+])
+def test_a_wrong_setting_is_one_message_naming_the_valid_ones(args, message):
+    with pytest.raises(ConfigError, match=message):
+        job_spec(load_recipe(["--job.config_file", "configs/llama3_8b/upipe_1m.toml", *args]))
+
+
+def test_no_recipe_is_one_message():
+    with pytest.raises(ConfigError, match=r"no recipe: give --job.config_file X.toml"):
+        load_recipe(["--training.seq_len", "4096"])
+    with pytest.raises(ConfigError, match=r"nothere.toml"):
+        load_recipe(["--job.config_file", "nothere.toml"])

@@ -1,0 +1,268 @@
+"""Our TOML recipes on TorchTitan 0.3, which reads no TOML: a recipe and its ``--section.key value``
+flags become a 0.3 ``Trainer.Config`` and the plugin's sections.
+
+The file is read by ``spec.recipe_file`` (the same reader and messages as on 0.2,
+``[context_parallel]`` included). Every key of a recipe is one of:
+
+=============================== ====================================================================
+kind                            keys
+=============================== ====================================================================
+a ``Trainer.Config`` field      ``STOCK_KEYS`` (0.2 name -> 0.3 path: ``training.dataset`` is
+                                ``dataloader.dataset``, ``job.dump_folder`` is ``dump_folder``, ...)
+read here                       ``model.name/flavor/converters`` (0.3 fixes the model in Python:
+                                ``flavors.model_spec``), ``optimizer.name/lr`` (an AdamW param group,
+                                0.2's defaults), ``activation_checkpoint.mode/selective_ac_option``
+                                (0.3's AC policy classes)
+a plugin section or field       ``spec.sections`` (``[upipe]``, ``[tsp]``, ``[transforms]``,
+                                ``[local_data]``; the plugin fields of ``[activation_checkpoint]``,
+                                ``[optimizer]``, ``[training]``, ``[metrics]``): validated by the
+                                same classes, with the same messages
+0.2's registration              ``job.custom_config_module``, ``experimental.custom_import``,
+                                ``job.description``: nothing to register on 0.3 (``REGISTRATION_KEYS``)
+=============================== ====================================================================
+
+Any other key is refused by name, with the closest one this reader knows: no setting of a recipe is
+dropped without a word (``docs/torchtitan_versions.md`` lists what 0.3 does not host yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan.components.optimizer.optimizer import default_adamw
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.trainer import Trainer
+
+from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.spec import sections
+from titan_upipe.spec.recipe_file import SECTION_ALIASES, internal_sections, load_toml
+from titan_upipe.torchtitan_0_3.flavors import model_spec
+
+CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
+
+STOCK_KEYS = {
+    "job.dump_folder": "dump_folder", "model.hf_assets_path": "hf_assets_path",
+    "metrics.log_freq": "metrics.log_freq", "metrics.enable_tensorboard": "metrics.enable_tensorboard",
+    "metrics.save_tb_folder": "metrics.save_tb_folder",
+    "optimizer.implementation": "optimizer.implementation", "lr_scheduler.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.local_batch_size": "training.local_batch_size", "training.seq_len": "training.seq_len",
+    "training.steps": "training.steps", "training.max_norm": "training.max_norm",
+    "training.mixed_precision_param": "training.mixed_precision_param",
+    "training.mixed_precision_reduce": "training.mixed_precision_reduce", "training.dataset": "dataloader.dataset",
+    "parallelism.data_parallel_shard_degree": "parallelism.data_parallel_shard_degree",
+    "parallelism.data_parallel_replicate_degree": "parallelism.data_parallel_replicate_degree",
+    "parallelism.context_parallel_degree": "parallelism.context_parallel_degree",
+    "checkpoint.enable": "checkpoint.enable", "checkpoint.folder": "checkpoint.folder",
+    "checkpoint.interval": "checkpoint.interval", "checkpoint.async_mode": "checkpoint.async_mode",
+    "checkpoint.keep_latest_k": "checkpoint.keep_latest_k",
+    "checkpoint.last_save_model_only": "checkpoint.last_save_model_only",
+    "checkpoint.initial_load_in_hf": "checkpoint.initial_load_in_hf",
+    "comm.init_timeout_seconds": "comm.init_timeout_seconds", "comm.train_timeout_seconds": "comm.train_timeout_seconds",
+    "debug.seed": "debug.seed",
+}
+"""A recipe's key (TorchTitan 0.2's name) -> the ``Trainer.Config`` attribute path it sets on 0.3."""
+
+READ_HERE = ("model.name", "model.flavor", "model.converters", "optimizer.name", "optimizer.lr",
+             "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option")
+"""Keys whose 0.3 form is not one field: the model, the AdamW param group, the AC policy class."""
+
+REGISTRATION_KEYS = {
+    "job.custom_config_module": "0.2 merges the plugin's sections from this module; on 0.3 the loader adds them",
+    "experimental.custom_import": "0.2 registers the plugin by importing this module; on 0.3 the loader does",
+    "job.description": "a note for the reader of the file",
+}
+"""Keys of 0.2's that have nothing to set on 0.3, and why (read, checked to be strings, not refused)."""
+
+PLUGIN_SECTIONS = {"upipe": sections.UPipe, "tsp": sections.TSP, "transforms": sections.Transforms,
+                   "local_data": sections.LocalData}
+PLUGIN_FIELDS = {"activation_checkpoint": sections.ActivationCheckpointOffload,
+                 "optimizer": sections.OptimizerHostState, "training": sections.TrainingHealth,
+                 "metrics": sections.MetricsConsole}
+"""The plugin's sections, and its fields in stock sections (``spec.sections``)."""
+
+AC_MODES = ("none", "full", "selective")
+DEFAULTS = {"model.converters": [], "optimizer.name": "AdamW", "optimizer.lr": 8e-4,
+            "activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}
+"""0.2's defaults of the keys read here (a recipe that leaves them out means these)."""
+
+
+@dataclass
+class Recipe:
+    """A recipe on TorchTitan 0.3: its ``Trainer.Config`` and what 0.3 has no field for."""
+
+    path: str
+    trainer: Any
+    """``Trainer.Config`` with the recipe's stock keys, the model's ``ModelSpec`` and AdamW set."""
+    model_name: str
+    flavor: str
+    converters: tuple[str, ...]
+    ac_mode: str
+    selective_ac_option: str
+    plugin: dict[str, Any]
+    """Section name -> the validated ``spec.sections`` object (``activation_checkpoint`` etc.: its
+    plugin fields)."""
+
+
+def known_keys() -> list[str]:
+    """Every ``section.key`` a recipe may hold on TorchTitan 0.3."""
+    plugin = [f"{name}.{f.name}" for table in (PLUGIN_SECTIONS, PLUGIN_FIELDS) for name, cls in table.items()
+              for f in dataclasses.fields(cls)]
+    return sorted({*STOCK_KEYS, *READ_HERE, *REGISTRATION_KEYS, *plugin})
+
+
+def _flags(argv: list[str]) -> tuple[str, dict[str, object]]:
+    """(the config file, ``{section.key: value as written}``) of ``argv``; a flag's value is the next
+    word, or the words up to the next flag for a list (``--model.converters upipe tiled_mlp``)."""
+    path, values, i = None, {}, 0
+    while i < len(argv):
+        flag, has_value, value = argv[i].partition("=")
+        if not flag.startswith("--") or "." not in flag:
+            raise ConfigError(f"unexpected argument {argv[i]!r}: give --job.config_file X.toml and --section.key value "
+                              "flags")
+        words = [value] if has_value else []
+        while not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            words.append(argv[i + 1])
+            i += 1
+        i += 1
+        if flag in CONFIG_FILE_FLAGS:
+            path = words[0] if words else None
+            continue
+        section, _, key = flag[2:].replace("-", "_").partition(".")
+        values[f"{SECTION_ALIASES.get(section, section)}.{key}"] = words
+    if not path:
+        raise ConfigError("no recipe: give --job.config_file X.toml (e.g. configs/llama3_8b/upipe_1m.toml)")
+    return path, values
+
+
+def _typed(key: str, words: list[str], like: object) -> object:
+    """A flag's ``words`` as the type of ``like`` (the key's default or current value)."""
+    if isinstance(like, list):
+        return [item for word in words for item in word.split(",") if item]
+    if isinstance(like, bool):
+        if not words:
+            return True
+        if words[0].lower() in ("true", "false"):
+            return words[0].lower() == "true"
+        raise ConfigError(f"invalid --{key} {words[0]!r}: valid values are true, false")
+    if len(words) != 1:
+        raise ConfigError(f"--{key} takes one value, got {len(words)}: {' '.join(words) or 'none'}")
+    if like is None:  # a 0.3 default of None (debug.seed): the number written, else the text
+        for kind in (int, float):
+            try:
+                return kind(words[0])
+            except ValueError:
+                pass
+        return words[0]
+    if isinstance(like, int) or isinstance(like, float):
+        try:
+            return type(like)(words[0])
+        except ValueError:
+            raise ConfigError(f"invalid --{key} {words[0]!r}: valid values are {type(like).__name__}s") from None
+    return words[0]
+
+
+def _settings(path: str, flags: dict[str, list[str]]) -> dict[str, object]:
+    """``{section.key: value}`` of the file, then the flags over it (each typed as the file's value,
+    else the key's default); an unknown key is refused with the closest known one."""
+    values = {f"{section}.{key}": value for section, table in internal_sections(load_toml(path)).items()
+              for key, value in table.items()}
+    known = known_keys()
+    for key in [*values, *flags]:
+        if key not in known:
+            raise ConfigError(with_suggestion(f"{key} (in {path} or the flags) is not read on TorchTitan 0.3 yet: "
+                                              "valid keys are listed in docs/torchtitan_versions.md; drop it or run "
+                                              "on TorchTitan 0.2.2", key, known))
+    for key, words in flags.items():
+        values[key] = _typed(key, words, values.get(key, _default(key)))
+    return values
+
+
+def _default(key: str) -> object:
+    if key in DEFAULTS:
+        return DEFAULTS[key]
+    if key in STOCK_KEYS:
+        return _get(Trainer.Config(), STOCK_KEYS[key])
+    section, _, name = key.partition(".")
+    cls = PLUGIN_SECTIONS.get(section) or PLUGIN_FIELDS.get(section)
+    if cls is not None:
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return ""
+
+
+def _get(config: object, path: str) -> object:
+    for name in path.split("."):
+        config = getattr(config, name)
+    return config
+
+
+def _set(config: object, path: str, value: object) -> None:
+    *parents, name = path.split(".")
+    setattr(_get(config, ".".join(parents)) if parents else config, name, value)
+
+
+def _ac_config(mode: str, option: str):
+    """0.3's AC policy for 0.2's ``mode`` / ``selective_ac_option``: full, per-op selective or none."""
+    if mode not in AC_MODES:
+        raise ConfigError(with_suggestion(f"invalid activation_checkpoint.mode = {mode!r}: valid values are "
+                                          f"{', '.join(AC_MODES)}", mode, AC_MODES))
+    if mode == "selective" and option != "op":
+        raise ConfigError(f"activation_checkpoint.selective_ac_option = {option!r} (per-block selective AC: one block "
+                          f"in {option} checkpointed) is not in TorchTitan 0.3, whose selective AC is per op: valid "
+                          "values on 0.3 are \"op\", or set activation_checkpoint.mode = \"full\" (every recipe of "
+                          "configs/ does)")
+    return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode]
+
+
+@contextlib.contextmanager
+def _warnings_muted(quiet: bool):
+    """TorchTitan 0.3 logs a warning for its own defaults (``CheckpointManager.Config``: "initial_load_model_only
+    ... has no effect") each time a ``Trainer.Config`` is built: held back for the tools, as on 0.2."""
+    root = logging.getLogger()
+    level = root.level
+    if quiet:
+        root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def load_recipe(argv: list[str], quiet: bool = True) -> Recipe:
+    """The recipe of ``argv`` (``--job.config_file X.toml [--section.key value ...]``) on TorchTitan 0.3.
+    Raises ConfigError: the file, an unknown key, a bad value, a model or flavor 0.3 has not.
+    ``quiet``: without TorchTitan's warnings about its own defaults."""
+    with _warnings_muted(quiet):
+        return _load_recipe(argv)
+
+
+def _load_recipe(argv: list[str]) -> Recipe:
+    path, flags = _flags(argv)
+    values = _settings(path, flags)
+    read = {key: values.get(key, DEFAULTS.get(key)) for key in READ_HERE}
+    if read["model.name"] is None or read["model.flavor"] is None:
+        raise ConfigError(f"{path} names no model: set [model] name and flavor (e.g. upipe_llama3 and 8B)")
+    if read["optimizer.name"] != "AdamW":
+        raise ConfigError(f"optimizer.name = {read['optimizer.name']!r} is not run by titan_upipe on TorchTitan 0.3: "
+                          "valid values are \"AdamW\"")
+    trainer = Trainer.Config(model_spec=model_spec(read["model.name"], read["model.flavor"]),
+                             optimizer=default_adamw(lr=float(read["optimizer.lr"])))
+    for key, attribute in STOCK_KEYS.items():
+        if key in values:
+            _set(trainer, attribute, values[key])
+    trainer.activation_checkpoint = _ac_config(read["activation_checkpoint.mode"],
+                                               str(read["activation_checkpoint.selective_ac_option"]).strip())
+    plugin = {}
+    for name, cls in {**PLUGIN_SECTIONS, **PLUGIN_FIELDS}.items():
+        given = {f.name: values[f"{name}.{f.name}"] for f in dataclasses.fields(cls) if f"{name}.{f.name}" in values}
+        plugin[name] = cls(**given)  # each section checks its own values (spec.sections)
+    for key in REGISTRATION_KEYS:
+        if key in values and not isinstance(values[key], str):
+            raise ConfigError(f"invalid {key} = {values[key]!r}: valid values are strings")
+    return Recipe(path, trainer, read["model.name"], read["model.flavor"], tuple(read["model.converters"]),
+                  read["activation_checkpoint.mode"], str(read["activation_checkpoint.selective_ac_option"]).strip(),
+                  plugin)
