@@ -61,9 +61,23 @@ def exit_once(tool: str, message: str, status: int = 2) -> SystemExit:
     prints the line with its rank, so that a node's own error is never lost and a node prints
     it at most once. Returns the ``SystemExit`` to raise (``raise exit_once(...) from None``)."""
     if is_rank_zero() or "TORCHELASTIC_RUN_ID" not in os.environ:
-        print(f"{tool}: error: {message}", file=sys.stderr, flush=True)
+        write_line(f"{tool}: error: {message}")
         return SystemExit(status)
     time.sleep(RANK_ZERO_GRACE_SECONDS)
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{tool}: error on rank {os.environ['RANK']}: {message}", file=sys.stderr, flush=True)
+        write_line(f"{tool}: error on rank {os.environ['RANK']}: {message}")
     return SystemExit(status)
+
+
+def write_line(text: str) -> None:
+    """``text`` and its newline to stderr in one ``write`` (atomic on a pipe up to ``PIPE_BUF`` bytes):
+    torchrun merges every process's stream into one, and a line written in two parts can have another
+    process's output land between them (seen once: the line glued to a worker's log fragment). A
+    stderr without a file descriptor (a test's capture) gets it through ``print``."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
+        return
+    os.write(fd, (text + "\n").encode("utf-8", "backslashreplace"))

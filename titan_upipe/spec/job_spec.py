@@ -97,3 +97,11 @@ class JobSpec:
     def heads_per_stage_setting(self) -> int:
         """``[upipe] heads_per_stage`` as written (0: U = the Ulysses degree)."""
         return self.layout.heads_per_stage_setting
+
+
+def degrees_world_size(parallelism) -> int:
+    """The ranks a job's degrees make: ``data_parallel_shard_degree`` (``-1``, derived from the launch:
+    1 here) x ``context_parallel_degree`` x ``data_parallel_replicate_degree``. ``parallelism``: any
+    object with those three fields (TorchTitan 0.2's ``[parallelism]`` section, 0.3's ``ParallelismConfig``)."""
+    shard = parallelism.data_parallel_shard_degree
+    return (shard if shard > 0 else 1) * parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree

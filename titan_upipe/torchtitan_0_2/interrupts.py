@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from titan_upipe.errors import write_line
+
 UNWIND_SECONDS = 10.0
 """How long the main thread may take to unwind after the first signal before the process exits."""
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -100,7 +102,7 @@ class InterruptWatch:
             return
         try:
             if (line := self.describe(signum)) is not None:
-                print(line, file=sys.stderr, flush=True)
+                write_line(line)
         finally:
             self.reported.set()
         # The backstop for a main thread blocked in a collective (it never unwinds), or for an exit

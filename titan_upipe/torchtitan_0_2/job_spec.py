@@ -13,7 +13,7 @@ changes no shape the spec holds); the settings from ``[upipe]`` (``[context_para
 
 from __future__ import annotations
 
-from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.spec.job_spec import JobSpec, degrees_world_size
 from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting, known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
@@ -25,12 +25,6 @@ def writes_async_checkpoints(job_config) -> bool:
     node's shard of the state in host memory."""
     checkpoint = job_config.checkpoint
     return bool(checkpoint.enable and checkpoint.async_mode != "disabled")
-
-
-def degrees_world_size(parallelism) -> int:
-    """The ranks the configured degrees make: ``dp_shard`` (``-1``: 1 here) x CP x ``dp_replicate``."""
-    shard = parallelism.data_parallel_shard_degree
-    return (shard if shard > 0 else 1) * parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree
 
 
 def job_spec(job_config, world_size: int | None = None) -> JobSpec:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torchtitan.tools.logging import init_logger, logger
 
-from titan_upipe.errors import ConfigError, TrainingStopped, is_rank_zero
+from titan_upipe.errors import ConfigError, TrainingStopped, is_rank_zero, write_line
 from titan_upipe.torchtitan_0_2 import launch_store
 from titan_upipe.torchtitan_0_2.checks import config_warnings
 from titan_upipe.torchtitan_0_2.config import MetricsConsole, plugin_fields
@@ -105,7 +105,7 @@ def check_before_launch(args: list[str], prepare: JobPreparation | None, world_s
     try:
         checked_config(args, prepare, world_size or launched_world_size(), quiet=True)
     except ConfigError as err:
-        print(error_line(str(err)), file=sys.stderr, flush=True)
+        write_line(error_line(str(err)))
         raise SystemExit(2) from None
 
 

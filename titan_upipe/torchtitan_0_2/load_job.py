@@ -27,11 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.spec.job_spec import JobSpec, degrees_world_size
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
-from titan_upipe.torchtitan_0_2.job_spec import degrees_world_size, job_spec
+from titan_upipe.torchtitan_0_2.job_spec import job_spec
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
 __all__ = ["JobPreparation", "LoadedJob", "checked_job_of", "flavor_model_dims", "load_job", "parse_job",

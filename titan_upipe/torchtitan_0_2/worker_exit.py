@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-from titan_upipe.errors import exit_once
+from titan_upipe.errors import exit_once, write_line
 from titan_upipe.torchtitan_0_2.launch_store import LaunchStore
 
 TOOL = "titan_upipe.train"
@@ -70,11 +69,11 @@ def exit_after_start(message: str, launch: LaunchStore | None, status: int = 2) 
     launch.record_failure(message)
     if rank == 0:
         write_error_file(error_line(message))
-        print(error_line(message), file=sys.stderr, flush=True)
+        write_line(error_line(message))
         return SystemExit(status)
     if launch.failure_of(0, RANK_ZERO_WAIT_SECONDS) == message:
         write_error_file(error_line(message))  # rank 0's line, printed there
         return SystemExit(status)
     write_error_file(error_line(message, rank))
-    print(error_line(message, rank), file=sys.stderr, flush=True)
+    write_line(error_line(message, rank))
     return SystemExit(status)

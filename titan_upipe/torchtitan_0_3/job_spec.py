@@ -12,16 +12,10 @@ exist yet, so a 0.3 spec is causal (``documents = False``; issue 44).
 from __future__ import annotations
 
 from titan_upipe.spec.cp_layout import CPLayout, cp_mode
-from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.spec.job_spec import JobSpec, degrees_world_size
 from titan_upipe.spec.keep_attention import keep_setting_of, stated_plan
 from titan_upipe.torchtitan_0_3.flavors import model_dims_from_config
 from titan_upipe.torchtitan_0_3.recipe import Recipe
-
-
-def degrees_world_size(parallelism) -> int:
-    """The ranks the configured degrees make: ``dp_shard`` (``-1``: 1 here) x CP x ``dp_replicate``."""
-    shard = parallelism.data_parallel_shard_degree
-    return (shard if shard > 0 else 1) * parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree
 
 
 def recipe_layout(recipe: Recipe) -> CPLayout:
