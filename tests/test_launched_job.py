@@ -2,8 +2,9 @@
 
 * The converters, the trainer, the validation loss, the parity check and the emulator read one
   ``LaunchedJob``: the same spec and the same CP mesh object the converted attention runs on (the
-  mesh built once: each build creates process groups), on real gloo ranks; a changed setting gets a
-  new one; a job without a CP mesh names the fix.
+  mesh built once: each build creates process groups), on real gloo ranks. A setting changed on one
+  rank only (``parallelize``'s agreed kept-attention plan) refreshes the spec and keeps the mesh; a
+  new mesh shape builds a new mesh; a job without a CP mesh names the fix.
 * ``load_job`` registers, parses, checks and describes a job in one call: its spec is the adapter's
   ``job_spec`` of the checked config; a job the checks refuse is refused by the door.
 * Registration is the door's (and the launch's, the rank builder's, the plugin module's): the tools
@@ -30,26 +31,42 @@ def _one_job_per_launch(rank: int, world_size: int, mesh, config: str) -> dict:
     import torch
 
     from titan_upipe.attention import sequence_mesh
+    from titan_upipe.spec.keep_attention import KeepAttentionPlan
+    from titan_upipe.torchtitan_0_2.checks.keep_attention import set_keep_attention_plan
     from titan_upipe.torchtitan_0_2.config_parse import parse_config
     from titan_upipe.torchtitan_0_2.converters import CP_CONVERTERS
     from titan_upipe.torchtitan_0_2.launched_job import launched_job
     from titan_upipe.torchtitan_0_2.rank_model import build_parallel_dims, build_rank_model
 
     job_config = parse_config(["--job.config_file", str(REPO / config), "--parallelism.data_parallel_shard_degree",
-                               "1", "--parallelism.context_parallel_degree", str(world_size)], quiet=True)
+                               "1", "--parallelism.context_parallel_degree", str(world_size),
+                               "--activation_checkpoint.keep_attention", "auto"], quiet=True)
     parallel_dims = build_parallel_dims(job_config, world_size)
     built = build_rank_model(job_config, parallel_dims, torch.device("cpu"), seed=0, parallelize=False)
     job = launched_job(job_config, parallel_dims)  # what the trainer and the validation loss ask for
     converter = CP_CONVERTERS[job.spec.mode.value](job_config, parallel_dims)  # a converter built after
     again = launched_job(job_config, parallel_dims)
+    # parallelize agrees on a kept-attention plan after the converters ran, and changes it on some ranks only
+    if rank == 1:
+        set_keep_attention_plan(job_config, KeepAttentionPlan(device_blocks=1))
+    one_rank = launched_job(job_config, parallel_dims)
     job_config.upipe.document_balance = "documents" if job.spec.document_balance == "zigzag" else "zigzag"
     changed = launched_job(job_config, parallel_dims)
+    reshaped = None
+    if job.spec.mode.value == "upipe":  # UPipe in USP: a new mesh shape on every rank, ring of C x Ulysses 1
+        job_config.upipe.ulysses_degree = 1
+        reshaped = launched_job(job_config, parallel_dims)
     return {
         "model_runs_on_the_launched_mesh": sequence_mesh(built.model) is job.cp_mesh,
         "converter_reads_it": converter.cp_mesh is job.cp_mesh and converter.layout is job.spec.layout,
         "same_object": again is job,
         "shape": tuple(job.cp_mesh.shape), "names": tuple(job.cp_mesh.mesh_dim_names),
-        "changed_is_new": changed is not job and changed.spec.document_balance != job.spec.document_balance,
+        "one_rank_change_keeps_the_mesh": one_rank.cp_mesh is job.cp_mesh
+        and (one_rank.spec.keep_plan == KeepAttentionPlan(device_blocks=1)) == (rank == 1),
+        "changed_spec_same_mesh": changed.spec.document_balance != job.spec.document_balance
+        and changed.cp_mesh is job.cp_mesh,
+        "new_shape_new_mesh": reshaped is None or reshaped.cp_mesh is not job.cp_mesh
+        and tuple(reshaped.cp_mesh.shape) == (world_size, 1),
     }
 
 
@@ -61,7 +78,8 @@ def test_the_converters_the_model_and_the_trainer_share_one_job_and_one_mesh(con
     results = run_distributed(world, _one_job_per_launch, config)
     for result in results:
         assert result == {"model_runs_on_the_launched_mesh": True, "converter_reads_it": True, "same_object": True,
-                          "shape": shape, "names": names, "changed_is_new": True}
+                          "shape": shape, "names": names, "one_rank_change_keeps_the_mesh": True,
+                          "changed_spec_same_mesh": True, "new_shape_new_mesh": True}
 
 
 def test_a_job_without_a_cp_mesh_names_the_fix():

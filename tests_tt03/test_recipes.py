@@ -60,7 +60,7 @@ def test_every_recipe_has_the_same_spec_on_both_versions(specs_on_0_2):
     assert {path: names for path, names in differences.items() if names} == {}
 
 
-def test_a_recipe_key_left_unmapped_breaks_the_comparison(specs_on_0_2, monkeypatch):
+def test_a_recipe_key_mapped_to_the_wrong_field_breaks_the_comparison(specs_on_0_2, monkeypatch):
     """The comparison fails a broken mapping: ``training.seq_len`` set on another field, 0.3 trains its default
     length."""
     path = "configs/llama3_8b/upipe_1m.toml"
@@ -80,7 +80,8 @@ def test_plan_prints_the_same_json_on_both_versions(recipe):
 
 def test_the_recipe_lands_in_the_trainer_config():
     loaded = load_recipe(["--job.config_file", "configs/llama3_8b/upipe_1m.toml", "--training.seq_len", "524288",
-                          "--activation_checkpoint.pin_memory", "false", "--context_parallel.heads_per_stage", "16"])
+                          "--activation_checkpoint.no-pin_memory", "--context_parallel.heads_per_stage", "16",
+                          "--training.max_norm", "0.5"])
     trainer = loaded.trainer
     assert (trainer.training.seq_len, trainer.dataloader.dataset, trainer.dump_folder) == \
         (524288, "local_text", "./outputs/llama3_8b_upipe_1m")
@@ -88,7 +89,7 @@ def test_the_recipe_lands_in_the_trainer_config():
     assert type(trainer.activation_checkpoint).__qualname__ == "FullAC.Config"
     assert (trainer.checkpoint.enable, trainer.checkpoint.async_mode, trainer.parallelism.context_parallel_degree) == \
         (True, "async", 8)
-    assert loaded.plugin["activation_checkpoint"].pin_memory is False
+    assert loaded.plugin["activation_checkpoint"].pin_memory is False and trainer.training.max_norm == 0.5
     assert loaded.plugin["upipe"].heads_per_stage == 16 and job_spec(loaded).layout.heads_per_stage == 16
     assert loaded.converters == ("upipe", "tiled_mlp", "tiled_rmsnorm", "fused_rope", "fused_ce")
 
@@ -102,18 +103,22 @@ def test_context_parallel_is_the_same_section_as_upipe(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--training.seq_lne", "4096"], r"training.seq_lne \(in .* or the flags\) is not read on TorchTitan 0.3 yet: .*"
+    (["--training.seq_lne", "4096"], r"training.seq_lne \(in the flags\) is not read on TorchTitan 0.3 yet: .*"
                                      r"did you mean \"training.seq_len\""),
     (["--upipe.attention_backend", "sdpaa"], r"invalid upipe.attention_backend = 'sdpaa': valid values are auto, sdpa, "
                                              r"math, cudnn, .*did you mean \"sdpa\""),
     (["--model.flavor", "debug"], r"model.flavor = 'debug' is not a flavor of upipe_llama3 on TorchTitan 0.3: valid "
                                   r"values are debugmodel, 1B, 3B, 8B"),
-    (["--activation_checkpoint.mode", "selective"],
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
      r"selective_ac_option = '2' \(per-block selective AC: one block in 2 checkpointed\) is not in TorchTitan 0.3"),
     (["--activation_checkpoint.keep_attention_blocks", "40"],
      r"invalid activation_checkpoint.keep_attention_blocks = '40': valid values are \"auto\" .* from 0 to the 32"),
     (["--upipe.heads_per_stage", "3"], r"upipe.heads_per_stage=3 is invalid"),
-    (["--training.seq_len", "many"], r"invalid --training.seq_len 'many': valid values are ints"),
+    (["--training.seq_len", "many"], r"invalid --training.seq_len 'many': valid values are integers"),
+    (["--activation_checkpoint.cpu_offload", "false"],
+     r"--activation_checkpoint.cpu_offload is a true/false flag and takes no value \('false'\): pass "
+     r"--activation_checkpoint.cpu_offload alone for true, --activation_checkpoint.no-cpu_offload for false"),
+    (["--debug.seed", "abc"], r"invalid --debug.seed 'abc': valid values are integers"),
     (["--optimizer.name", "Adam"], r"optimizer.name = 'Adam' is not run by titan_upipe on TorchTitan 0.3"),
 ])
 def test_a_wrong_setting_is_one_message_naming_the_valid_ones(args, message):
@@ -126,3 +131,42 @@ def test_no_recipe_is_one_message():
         load_recipe(["--training.seq_len", "4096"])
     with pytest.raises(ConfigError, match=r"nothere.toml"):
         load_recipe(["--job.config_file", "nothere.toml"])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("cpu_offload", '"false"', r"invalid activation_checkpoint.cpu_offload = 'false' \(str\): valid values are true, "
+                               r"false"),
+    ("keep_attention_blocks", "4", r"invalid activation_checkpoint.keep_attention_blocks = 4 \(int\): valid values "
+                                   r"are strings \(in quotes\)"),
+])
+def test_a_toml_value_of_the_wrong_type_is_refused_as_on_0_2(tmp_path, key, value, message):
+    """TOML values are typed by the key's field (0.2.2's wording): ``"false"`` is not false."""
+    text = (REPO / "configs/llama3_8b/upipe_1m.toml").read_text()
+    line = next(row for row in text.splitlines() if row.startswith(f"{key} ="))
+    broken = tmp_path / "typed.toml"
+    broken.write_text(text.replace(line, f"{key} = {value}"))
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(["--job.config_file", str(broken)])
+
+
+@pytest.mark.parametrize("section_key,value,message", [
+    ("training.local_batch_size", '"2"', r"invalid training.local_batch_size = '2' \(str\): valid values are integers"),
+    ("model.converters", '"upipe"', r"invalid model.converters = 'upipe' \(str\): valid values are lists of strings"),
+])
+def test_a_stock_or_model_key_of_the_wrong_type_is_refused(tmp_path, section_key, value, message):
+    section, key = section_key.split(".")
+    text = (REPO / "configs/llama3_8b/upipe_1m.toml").read_text()
+    start = text.index(f"[{section}]")
+    line = next(row for row in text[start:].splitlines() if row.startswith(f"{key} ="))
+    broken = tmp_path / "typed.toml"
+    broken.write_text(text[:start] + text[start:].replace(line, f"{key} = {value}", 1))
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(["--job.config_file", str(broken)])
+
+
+def test_a_recipe_without_an_ac_mode_takes_0_3s_default():
+    """0.3's default AC is per-op selective (0.2's was every second block, which 0.3 has not)."""
+    loaded = load_recipe(["--job.config_file", "configs/llama3_8b/upipe_1m.toml", "--activation_checkpoint.mode",
+                          "selective"])
+    assert type(loaded.trainer.activation_checkpoint).__qualname__ == "SelectiveAC.Config"
+    assert (loaded.ac_mode, loaded.selective_ac_option) == ("selective", "op")

@@ -80,4 +80,6 @@ def write_line(text: str) -> None:
     except (AttributeError, OSError, ValueError):
         print(text, file=sys.stderr, flush=True)
         return
-    os.write(fd, (text + "\n").encode("utf-8", "backslashreplace"))
+    data = (text + "\n").encode("utf-8", "backslashreplace")
+    while data:  # a line over PIPE_BUF may take several writes; the rest follows at once
+        data = data[os.write(fd, data):]

@@ -1,9 +1,10 @@
 """``JobSpec``: one training job, decided once and passed down (pure values, no torch, no TorchTitan).
 
-The TorchTitan adapter builds it from its own config (``torchtitan_0_2.job_spec``: the one place a
-TorchTitan config becomes a spec); the planner (``plan.spec_input``) reads the spec, never the config,
-and the CP converters take their layout from it (the rest of the runtime still reads the config). A second TorchTitan version's adapter builds the same spec
-from its own config (``docs/architecture.md``).
+Each TorchTitan adapter builds it from its own config, in one place (``torchtitan_0_2.job_spec`` from a
+``JobConfig``, ``torchtitan_0_3.job_spec`` from a recipe's ``Trainer.Config``: equal for the same
+recipe); the planner (``plan.spec_input``) reads the spec, never the config; on 0.2 the CP converters,
+the trainer and the validation loss read it through the launch's ``launched_job``, the tools through
+``load_job`` (``docs/architecture.md``).
 
 ==================  =====================================================================
 group               fields
@@ -59,6 +60,7 @@ class JobSpec:
     ce_backend: str = "auto"
     ac_mode: str = "none"
     selective_ac_option: str = ""
+    """With ``ac_mode = "selective"``: ``"op"`` or every N-th block (``"2"``); empty for other modes."""
     cpu_offload: bool = False
     pin_memory: bool = False
     prefetch_after_attention: bool = False

@@ -18,11 +18,13 @@ from __future__ import annotations
 import errno
 import os
 import tomllib
+import types
+import typing
 from pathlib import Path
 
 from titan_upipe.errors import ConfigError, with_suggestion
 
-__all__ = ["SECTION_ALIASES", "internal_sections", "load_toml", "toml_text"]
+__all__ = ["SECTION_ALIASES", "accepts", "describe_values", "internal_sections", "load_toml", "toml_text", "value_problem"]
 
 SECTION_ALIASES = {"context_parallel": "upipe"}
 """A TOML section's documented name -> the JobConfig section that holds it. ``[context_parallel]``
@@ -115,3 +117,52 @@ def internal_sections(values: dict) -> dict:
     if not SECTION_ALIASES.keys() & values.keys():
         return values
     return {SECTION_ALIASES.get(name, name): value for name, value in values.items()}
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def accepts(value: object, annotation: object) -> bool:
+    """Whether a TOML ``value`` fits the field's annotation; annotations this does not model accept."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(accepts(value, arm) for arm in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and (not args or all(accepts(item, args[0]) for item in value))
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if annotation is type(None):
+        return False  # TOML has no null
+    return True
+
+
+def describe_values(annotation: object) -> str:
+    """The values an annotation accepts, in words (``integers``, ``bfloat16, float32``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_values(arm) for arm in args if arm is not type(None))
+    if origin is typing.Literal:
+        return ", ".join(str(arg) for arg in args)
+    if origin is list:
+        return f"lists of {describe_values(args[0])}" if args else "lists"
+    names = {bool: "true, false", int: "integers", float: "numbers", str: "strings (in quotes)"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def value_problem(key: str, value: object, annotation: object) -> str | None:
+    """``invalid key = value (type): valid values are ...`` for a value its field's annotation refuses
+    (with the closest choice of a ``Literal``); None when it fits. Every adapter's recipe reader says it so."""
+    if accepts(value, annotation):
+        return None
+    message = f"invalid {key} = {value!r} ({type(value).__name__}): valid values are {describe_values(annotation)}"
+    if typing.get_origin(annotation) is typing.Literal:
+        message = with_suggestion(message, value, typing.get_args(annotation))
+    return message

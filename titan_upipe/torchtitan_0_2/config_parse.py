@@ -26,16 +26,14 @@ import logging
 import os
 import re
 import sys
-import types
-import typing
 
 import tyro
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TorchTitanJobConfig
 from torchtitan.config.manager import custom_registry
 
-from titan_upipe.errors import ConfigError, closest, with_suggestion
-from titan_upipe.spec.recipe_file import SECTION_ALIASES, internal_sections, load_toml
+from titan_upipe.errors import ConfigError, closest
+from titan_upipe.spec.recipe_file import SECTION_ALIASES, internal_sections, load_toml, value_problem
 
 __all__ = ["CONFIG_FILE_FLAGS", "CONFIG_MODULE_FLAGS", "check_bool_flags", "check_flags", "check_one_value_per_flag",
            "check_toml",
@@ -124,50 +122,6 @@ def _leaf_names(schema: Schema, prefix: str = "") -> list[str]:
 # ---------------------------------------------------------------------------- TOML values
 
 
-def _accepts(value: object, annotation: object) -> bool:
-    """Whether a TOML ``value`` fits the field's annotation; annotations this does not model accept."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(value, arm) for arm in args)
-    if origin is typing.Literal:
-        return value in args
-    if origin is list:
-        return isinstance(value, list) and (not args or all(_accepts(item, args[0]) for item in value))
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if annotation is type(None):
-        return False  # TOML has no null
-    return True
-
-
-def _describe(annotation: object) -> str:
-    """The values an annotation accepts, in words (``integers``, ``bfloat16, float32``)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arm) for arm in args if arm is not type(None))
-    if origin is typing.Literal:
-        return ", ".join(str(arg) for arg in args)
-    if origin is list:
-        return f"lists of {_describe(args[0])}" if args else "lists"
-    names = {bool: "true, false", int: "integers", float: "numbers", str: "strings (in quotes)"}
-    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
-
-
-def _value_problem(key: str, value: object, annotation: object) -> str | None:
-    if _accepts(value, annotation):
-        return None
-    message = f"invalid {key} = {value!r} ({type(value).__name__}): valid values are {_describe(annotation)}"
-    if typing.get_origin(annotation) is typing.Literal:
-        message = with_suggestion(message, value, typing.get_args(annotation))
-    return message
-
-
 def _unknown_toml_key(name: str, schema: Schema, prefix: str) -> str:
     """``unknown key training.stesp: did you mean "training.steps"?``, from the keys of that section
     only (a top-level name is a section: ``unknown section [trainin]``)."""
@@ -191,7 +145,7 @@ def check_toml(values: dict, schema: Schema, path: str, prefix: str = "") -> Non
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {key} is a section: write its keys under [{key}]")
             check_toml(value, node, path, f"{key}.")
-        elif problem := _value_problem(key, value, node):
+        elif problem := value_problem(key, value, node):
             raise ConfigError(f"{path}: {problem}")
 
 

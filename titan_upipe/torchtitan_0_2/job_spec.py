@@ -49,7 +49,7 @@ def job_spec(job_config, world_size: int | None = None) -> JobSpec:
         fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
         mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
         ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=transforms.ce_backend,
-        ac_mode=ac.mode, selective_ac_option=str(ac.selective_ac_option).strip(),
+        ac_mode=ac.mode, selective_ac_option=str(ac.selective_ac_option).strip() if ac.mode == "selective" else "",
         cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
         prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
         optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),

@@ -17,9 +17,10 @@ the parity check, the emulator       ``cp_mesh``, document balance
 
 The CP mesh is built here once (``parallel.layout_mesh``: each build creates process groups), not
 read back from the converted model, so nothing downstream depends on which modules the
-conversion produced. A JobConfig changed since (a test, a tool trying candidate settings) gets a
-new ``LaunchedJob``: the held one is reused only while its spec is equal and TorchTitan's CP mesh is
-the same object.
+conversion produced. A JobConfig changed since gets the spec as it is now (``parallelize`` sizes the
+kept-attention plan after the converters ran), with the same mesh while the mesh's shape is unchanged:
+only a new ring or Ulysses degree, or another TorchTitan mesh (a test, a tool trying candidates),
+builds another one.
 """
 
 from __future__ import annotations
@@ -61,18 +62,30 @@ class LaunchedJob:
         return self.cp_mesh
 
 
+def mesh_shape(spec: JobSpec) -> tuple:
+    """What the CP mesh depends on: the mode's ring and Ulysses degrees and whether the mesh is 2-D
+    (the same on every rank: the job checks agree on the layout before any process group)."""
+    layout = spec.layout
+    return layout.mode is not None, layout.ring_degree, layout.ulysses_degree, layout.two_d
+
+
 def launched_job(job_config, parallel_dims) -> LaunchedJob:
     """The ``LaunchedJob`` of ``job_config`` on ``parallel_dims`` (a TorchTitan 0.2 ``ParallelDims``
-    with its mesh built): the held one while the spec is equal and the ``cp`` mesh the same object,
-    else built (the CP mesh once: process groups) and held on ``job_config``."""
+    with its mesh built), held on ``job_config``. The spec is the config's as it is now; the CP mesh
+    is built once and kept while its shape (:func:`mesh_shape`) and TorchTitan's ``cp`` mesh are the
+    same: a setting that changes on some ranks only (``parallelize`` agreeing on a kept-attention
+    plan) must never make those ranks alone create process groups."""
     spec = job_spec(job_config, parallel_dims.world_size)
     titan_cp_mesh = parallel_dims.get_optional_mesh("cp")
     held = vars(job_config).get(LAUNCHED_JOB_ATTRIBUTE)
-    if held is not None and held.spec == spec and held.titan_cp_mesh is titan_cp_mesh:
-        return held
-    cp_mesh = None
-    if titan_cp_mesh is not None and spec.layout.mode is not None:
-        cp_mesh = layout_mesh(titan_cp_mesh, spec.layout)
-    job = LaunchedJob(spec, cp_mesh, titan_cp_mesh)
+    if held is not None and held.titan_cp_mesh is titan_cp_mesh and mesh_shape(held.spec) == mesh_shape(spec):
+        if held.spec == spec:
+            return held
+        job = LaunchedJob(spec, held.cp_mesh, titan_cp_mesh)
+    else:
+        cp_mesh = None
+        if titan_cp_mesh is not None and spec.layout.mode is not None:
+            cp_mesh = layout_mesh(titan_cp_mesh, spec.layout)
+        job = LaunchedJob(spec, cp_mesh, titan_cp_mesh)
     vars(job_config)[LAUNCHED_JOB_ATTRIBUTE] = job
     return job

@@ -8,6 +8,11 @@ here so far:
 module      what
 =========== ===========================================================================
 flavors     a 0.3 ``ModelSpec``'s shape as the core's ``ModelDims`` (the JobSpec's model)
+recipe      a TOML recipe and its flags onto a 0.3 ``Trainer.Config`` and the plugin's
+            sections (every key mapped, read or refused by name)
+job_spec    the recipe's ``JobSpec`` (equal to the 0.2 adapter's for the same recipe)
+load_job    the door the version-neutral tools call (``spec_of_recipe``,
+            ``flavor_model_dims``: what ``plan`` needs)
 =========== ===========================================================================
 
 Nothing here imports ``titan_upipe.torchtitan_0_2`` (``tests/test_layers.py``), and no module

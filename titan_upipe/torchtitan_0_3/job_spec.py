@@ -47,7 +47,7 @@ def job_spec(recipe: Recipe, world_size: int | None = None) -> JobSpec:
         fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
         mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
         ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=transforms.ce_backend,
-        ac_mode=recipe.ac_mode, selective_ac_option=recipe.selective_ac_option,
+        ac_mode=recipe.ac_mode, selective_ac_option=recipe.selective_ac_option if recipe.ac_mode == "selective" else "",
         cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
         prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
         optimizer_state_on_host=bool(plugin["optimizer"].state_on_host),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,13 @@ from torchtitan.trainer import Trainer
 
 from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.spec import sections
-from titan_upipe.spec.recipe_file import SECTION_ALIASES, internal_sections, load_toml
+from titan_upipe.spec.recipe_file import (
+    SECTION_ALIASES,
+    describe_values,
+    internal_sections,
+    load_toml,
+    value_problem,
+)
 from titan_upipe.torchtitan_0_3.flavors import model_spec
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
@@ -71,8 +78,9 @@ READ_HERE = ("model.name", "model.flavor", "model.converters", "optimizer.name",
 """Keys whose 0.3 form is not one field: the model, the AdamW param group, the AC policy class."""
 
 REGISTRATION_KEYS = {
-    "job.custom_config_module": "0.2 merges the plugin's sections from this module; on 0.3 the loader adds them",
-    "experimental.custom_import": "0.2 registers the plugin by importing this module; on 0.3 the loader does",
+    "job.custom_config_module": "0.2 merges the plugin's sections from this module; on 0.3 this reader reads them",
+    "experimental.custom_import": "0.2 registers the plugin by importing this module; 0.3 imports nothing by name "
+                                  "(the plugin's entry points run it)",
     "job.description": "a note for the reader of the file",
 }
 """Keys of 0.2's that have nothing to set on 0.3, and why (read, checked to be strings, not refused)."""
@@ -86,8 +94,15 @@ PLUGIN_FIELDS = {"activation_checkpoint": sections.ActivationCheckpointOffload,
 
 AC_MODES = ("none", "full", "selective")
 DEFAULTS = {"model.converters": [], "optimizer.name": "AdamW", "optimizer.lr": 8e-4,
-            "activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}
-"""0.2's defaults of the keys read here (a recipe that leaves them out means these)."""
+            "activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"}
+"""The keys read here when a recipe leaves them out: 0.2's optimizer defaults, and 0.3's own AC
+default (per-op selective; 0.2's was every second block, which 0.3 has not)."""
+
+READ_HERE_TYPES = {"model.name": str, "model.flavor": str, "model.converters": list[str], "optimizer.name": str,
+                   "optimizer.lr": float, "activation_checkpoint.mode": str,
+                   "activation_checkpoint.selective_ac_option": str}
+NONE_DEFAULT_TYPES = {"debug.seed": int}
+"""Stock keys whose 0.3 default is None, and the type a recipe gives them (0.2's annotation)."""
 
 
 @dataclass
@@ -114,9 +129,68 @@ def known_keys() -> list[str]:
     return sorted({*STOCK_KEYS, *READ_HERE, *REGISTRATION_KEYS, *plugin})
 
 
+def key_annotation(key: str) -> object:
+    """The type a recipe's ``key`` takes (as TorchTitan 0.2's schema annotates it): a stock key's 0.3
+    default's type, a plugin field's annotation (``spec.sections``), the keys read here their own."""
+    if key in READ_HERE_TYPES:
+        return READ_HERE_TYPES[key]
+    if key in REGISTRATION_KEYS:
+        return str
+    if key in STOCK_KEYS:
+        default = _get(_default_trainer(), STOCK_KEYS[key])
+        if default is None:
+            return NONE_DEFAULT_TYPES[key]
+        return list[str] if isinstance(default, list) else type(default)
+    section, _, name = key.partition(".")
+    cls = PLUGIN_SECTIONS.get(section) or PLUGIN_FIELDS[section]
+    return next(f.type for f in dataclasses.fields(cls) if f.name == name)
+
+
+_DEFAULT_TRAINER: list = []
+
+
+def _default_trainer():
+    """One default ``Trainer.Config``, built on first use (its defaults are the stock keys' types)."""
+    if not _DEFAULT_TRAINER:
+        _DEFAULT_TRAINER.append(Trainer.Config())
+    return _DEFAULT_TRAINER[0]
+
+
+def _flag_key(flag: str) -> tuple[str, bool]:
+    """``(section.key, negated)`` of ``--section.key`` or a true/false field's ``--section.no-key``
+    (dashes read as underscores, ``[context_parallel]`` as ``upipe``), as TorchTitan 0.2's parser reads flags."""
+    section, _, leaf = flag[2:].replace("-", "_").partition(".")
+    section = SECTION_ALIASES.get(section, section)
+    if leaf.startswith("no_") and f"{section}.{leaf[3:]}" in known_keys() and \
+            key_annotation(f"{section}.{leaf[3:]}") is bool:
+        return f"{section}.{leaf[3:]}", True
+    return f"{section}.{leaf}", False
+
+
+def _flag_value(flag: str, key: str, negated: bool, words: list[str]) -> object:
+    """A flag's value, as 0.2's parser (tyro) takes it: a true/false field takes no value (``--key``
+    true, ``--no-key`` false), a list the words up to the next flag, anything else one word."""
+    annotation = key_annotation(key)
+    section, _, name = key.partition(".")
+    if annotation is bool:
+        if words:
+            raise ConfigError(f"{flag} is a true/false flag and takes no value ({words[0]!r}): pass --{section}.{name} "
+                              f"alone for true, --{section}.no-{name} for false")
+        return not negated
+    if typing.get_origin(annotation) is list:
+        return list(words)
+    if len(words) != 1:
+        raise ConfigError(f"{flag} takes one value, got {len(words)}: {' '.join(words) or 'none'}")
+    kind = annotation if annotation in (int, float) else str
+    try:
+        return kind(words[0])
+    except ValueError:
+        raise ConfigError(f"invalid {flag} {words[0]!r}: valid values are {describe_values(annotation)}") from None
+
+
 def _flags(argv: list[str]) -> tuple[str, dict[str, object]]:
-    """(the config file, ``{section.key: value as written}``) of ``argv``; a flag's value is the next
-    word, or the words up to the next flag for a list (``--model.converters upipe tiled_mlp``)."""
+    """(the config file, ``{section.key: value}``) of ``argv`` (``_flag_value``); an unknown flag is
+    refused with the closest known key."""
     path, values, i = None, {}, 0
     while i < len(argv):
         flag, has_value, value = argv[i].partition("=")
@@ -131,67 +205,33 @@ def _flags(argv: list[str]) -> tuple[str, dict[str, object]]:
         if flag in CONFIG_FILE_FLAGS:
             path = words[0] if words else None
             continue
-        section, _, key = flag[2:].replace("-", "_").partition(".")
-        values[f"{SECTION_ALIASES.get(section, section)}.{key}"] = words
+        key, negated = _flag_key(flag)
+        _require_known(key, "the flags")
+        values[key] = _flag_value(flag, key, negated, words)
     if not path:
         raise ConfigError("no recipe: give --job.config_file X.toml (e.g. configs/llama3_8b/upipe_1m.toml)")
     return path, values
 
 
-def _typed(key: str, words: list[str], like: object) -> object:
-    """A flag's ``words`` as the type of ``like`` (the key's default or current value)."""
-    if isinstance(like, list):
-        return [item for word in words for item in word.split(",") if item]
-    if isinstance(like, bool):
-        if not words:
-            return True
-        if words[0].lower() in ("true", "false"):
-            return words[0].lower() == "true"
-        raise ConfigError(f"invalid --{key} {words[0]!r}: valid values are true, false")
-    if len(words) != 1:
-        raise ConfigError(f"--{key} takes one value, got {len(words)}: {' '.join(words) or 'none'}")
-    if like is None:  # a 0.3 default of None (debug.seed): the number written, else the text
-        for kind in (int, float):
-            try:
-                return kind(words[0])
-            except ValueError:
-                pass
-        return words[0]
-    if isinstance(like, int) or isinstance(like, float):
-        try:
-            return type(like)(words[0])
-        except ValueError:
-            raise ConfigError(f"invalid --{key} {words[0]!r}: valid values are {type(like).__name__}s") from None
-    return words[0]
+def _require_known(key: str, where: str) -> None:
+    known = known_keys()
+    if key not in known:
+        raise ConfigError(with_suggestion(f"{key} (in {where}) is not read on TorchTitan 0.3 yet: valid keys are "
+                                          "listed in docs/torchtitan_versions.md; drop it or run on TorchTitan 0.2.2",
+                                          key, known))
 
 
-def _settings(path: str, flags: dict[str, list[str]]) -> dict[str, object]:
-    """``{section.key: value}`` of the file, then the flags over it (each typed as the file's value,
-    else the key's default); an unknown key is refused with the closest known one."""
+def _settings(argv: list[str]) -> tuple[str, dict[str, object]]:
+    """(the file, ``{section.key: value}``): the file's values, each of its field's type, then the flags
+    over them; an unknown key is refused with the closest known one."""
+    path, flags = _flags(argv)
     values = {f"{section}.{key}": value for section, table in internal_sections(load_toml(path)).items()
               for key, value in table.items()}
-    known = known_keys()
-    for key in [*values, *flags]:
-        if key not in known:
-            raise ConfigError(with_suggestion(f"{key} (in {path} or the flags) is not read on TorchTitan 0.3 yet: "
-                                              "valid keys are listed in docs/torchtitan_versions.md; drop it or run "
-                                              "on TorchTitan 0.2.2", key, known))
-    for key, words in flags.items():
-        values[key] = _typed(key, words, values.get(key, _default(key)))
-    return values
-
-
-def _default(key: str) -> object:
-    if key in DEFAULTS:
-        return DEFAULTS[key]
-    if key in STOCK_KEYS:
-        return _get(Trainer.Config(), STOCK_KEYS[key])
-    section, _, name = key.partition(".")
-    cls = PLUGIN_SECTIONS.get(section) or PLUGIN_FIELDS.get(section)
-    if cls is not None:
-        field = next(f for f in dataclasses.fields(cls) if f.name == name)
-        return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-    return ""
+    for key, value in values.items():
+        _require_known(key, path)
+        if problem := value_problem(key, value, key_annotation(key)):
+            raise ConfigError(f"{path}: {problem}")
+    return path, {**values, **flags}
 
 
 def _get(config: object, path: str) -> object:
@@ -241,8 +281,7 @@ def load_recipe(argv: list[str], quiet: bool = True) -> Recipe:
 
 
 def _load_recipe(argv: list[str]) -> Recipe:
-    path, flags = _flags(argv)
-    values = _settings(path, flags)
+    path, values = _settings(argv)
     read = {key: values.get(key, DEFAULTS.get(key)) for key in READ_HERE}
     if read["model.name"] is None or read["model.flavor"] is None:
         raise ConfigError(f"{path} names no model: set [model] name and flavor (e.g. upipe_llama3 and 8B)")
