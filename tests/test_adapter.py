@@ -96,3 +96,26 @@ def test_the_planner_reaches_the_adapter_through_the_chooser_alone():
     """``plan`` names no adapter: the installed TorchTitan's is chosen at run time."""
     text = (PACKAGE / "tools" / "plan_cli.py").read_text()
     assert "torchtitan_0_2" not in text and "torchtitan_0_3" not in text and "adapter_module(" in text
+
+
+def test_every_command_the_0_2_adapter_runs_is_a_module_and_runs_here():
+    from titan_upipe.torchtitan_0_2.load_job import COMMANDS
+
+    for command in COMMANDS:
+        relative = command.removeprefix("titan_upipe.").replace(".", "/")
+        assert (PACKAGE / f"{relative}.py").is_file() or (PACKAGE / relative / "__main__.py").is_file(), command
+        adapter.require_command(command)  # hosted: returns
+
+
+def test_a_command_the_adapter_does_not_run_is_one_line(monkeypatch, capsys):
+    class Door:
+        COMMANDS = ("titan_upipe.plan",)
+
+    monkeypatch.setattr(adapter, "adapter_module", lambda name: Door)
+    with pytest.raises(SystemExit) as stopped:
+        adapter.require_command("titan_upipe.validate")
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("titan_upipe.validate: error: titan_upipe.validate does not run on "
+                                                      "torchtitan 0.2.2 yet: its adapter runs titan_upipe.plan; run "
+                                                      "titan_upipe.validate on torchtitan 0.2.2")

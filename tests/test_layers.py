@@ -50,6 +50,9 @@ LAYOUT_BUILDERS = {
 }
 """The only modules that construct a ``CPLayout``, and why: everything else reads one it was given."""
 ENTRY_MODULE = "__main__"
+COMMAND_SHIMS = ("titan_upipe.train", "titan_upipe.validate", "titan_upipe.check", "titan_upipe.gpu_suite")
+"""The root's ``-m`` shims: like ``__main__`` modules, they import their command after
+``adapter.require_command`` (a command the installed TorchTitan's adapter does not run is one line)."""
 """``-m`` entry modules may defer their command's import to after ``--help`` (a function-level import;
 the graph still counts it, so it cannot hide a cycle)."""
 
@@ -217,7 +220,8 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
                          and getattr(node.func, "id", getattr(node.func, "attr", None)) == "replace"
                          and str(getattr(node.args[0], "id", getattr(node.args[0], "attr", ""))).endswith("layout")]
         problems += [f"{module}: imports {t} inside a function" for t, lazy in _imports(tree, module, False)
-                     if lazy and t.startswith(root.name) and not module.endswith(ENTRY_MODULE)]
+                     if lazy and t.startswith(root.name) and not module.endswith(ENTRY_MODULE)
+                     and module not in COMMAND_SHIMS]
         path = root.parent.joinpath(*module.split("."))
         source = (path / "__init__.py") if path.is_dir() else path.with_suffix(".py")
         if (n := len(source.read_text().splitlines())) > MAX_MODULE_LINES:
@@ -262,7 +266,7 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
          "import cycle"),
         ("titan_upipe.attention.ring", "\nfrom titan_upipe import config\n", "imports must point down"),
         ("titan_upipe.transforms.tiling", "\nimport torchtitan.models.llama3\n", "imported in the adapter folders"),
-        ("titan_upipe.validate", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
+        ("titan_upipe.plugin", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),
         ("titan_upipe.errors", "\n\ndef _long():\n" + "    x = 1\n" * 80, "lines > 80"),
         # a folder-level circle without a module cycle (what attention <-> parallel was before issue 43)
         ("titan_upipe.spec.document_deal", "\nfrom titan_upipe.attention.collectives import all_to_all\n",

@@ -68,3 +68,17 @@ def test_every_module_of_the_0_3_adapter_imports_on_torchtitan_0_3():
     assert len(names) >= 4
     for name in names:
         importlib.import_module(name)
+
+
+
+@pytest.mark.parametrize("command", ["validate", "train", "check", "gpu_suite"])
+def test_a_command_0_3_does_not_run_yet_is_one_line_and_status_2(command):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", f"titan_upipe.{command}", "configs/debug/upipe.toml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(
+        f"titan_upipe.{command}: error: titan_upipe.{command} does not run on torchtitan 0.3.0 yet: its adapter runs "
+        "titan_upipe.plan")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from titan_upipe.errors import ConfigError
+from titan_upipe.errors import ConfigError, exit_once
 
 ADAPTERS = {"0.2": "titan_upipe.torchtitan_0_2", "0.3": "titan_upipe.torchtitan_0_3"}
 """``major.minor`` of a TorchTitan release -> the adapter package that speaks its API."""
@@ -52,3 +52,17 @@ def adapter_module(name: str):
     """``<adapter>.<name>`` for the installed TorchTitan: how a version-neutral tool reaches the adapter's
     door (``load_job``: ``spec_of_recipe``, ``flavor_model_dims``), imported on first use."""
     return importlib.import_module(f"{adapter_package()}.{name}")
+
+
+def require_command(command: str) -> None:
+    """Return where the installed TorchTitan's adapter hosts ``command`` (``titan_upipe.validate``: its
+    door's ``COMMANDS``); otherwise exit with one line naming what it hosts and the install that runs it
+    (status 2). The ``-m`` shims call it before they import their command."""
+    try:
+        hosted = adapter_module("load_job").COMMANDS
+    except ConfigError as err:  # no TorchTitan, or a version no adapter speaks
+        raise exit_once(command, str(err)) from None
+    if command not in hosted:
+        raise exit_once(command, f"{command} does not run on torchtitan {installed_torchtitan_version()} yet: its "
+                                 f"adapter runs {', '.join(hosted)}; run {command} on torchtitan 0.2.2 (`make "
+                                 "install`'s .venv, without .tt03 on PYTHONPATH: docs/torchtitan_versions.md)") from None

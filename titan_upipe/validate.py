@@ -3,7 +3,10 @@
 
 import sys
 
-from titan_upipe.tools.preflight import main
+from titan_upipe.adapter import require_command
 
 if __name__ == "__main__":
+    require_command("titan_upipe.validate")  # one line where the installed TorchTitan's adapter has no validate
+    from titan_upipe.tools.preflight import main
+
     sys.exit(main())

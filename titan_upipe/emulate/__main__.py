@@ -2,7 +2,10 @@
 
 import sys
 
-from titan_upipe.emulate.cli import main
+from titan_upipe.adapter import require_command
 
 if __name__ == "__main__":
+    require_command("titan_upipe.emulate")  # one line where the installed TorchTitan's adapter has no emulator
+    from titan_upipe.emulate.cli import main
+
     sys.exit(main())
