@@ -170,3 +170,24 @@ def test_a_recipe_without_an_ac_mode_takes_0_3s_default():
                           "selective"])
     assert type(loaded.trainer.activation_checkpoint).__qualname__ == "SelectiveAC.Config"
     assert (loaded.ac_mode, loaded.selective_ac_option) == ("selective", "op")
+
+
+def test_every_stock_key_of_every_recipe_lands_where_the_table_says():
+    """An independent read (tomllib) of each recipe against the Trainer.Config: every stock key's value at
+    its 0.3 path, lr in the AdamW group, the model's spec from its name and flavor."""
+    import tomllib
+
+    for path in RECIPES:
+        with open(REPO / path, "rb") as file:
+            written = {f"{section}.{key}": value for section, table in tomllib.load(file).items()
+                       for key, value in table.items()}
+        loaded = load_recipe(["--job.config_file", path])
+        for key, attribute in recipes.STOCK_KEYS.items():
+            if key in written:
+                value = loaded.trainer
+                for name in attribute.split("."):
+                    value = getattr(value, name)
+                assert value == written[key], (path, key)
+        assert loaded.trainer.optimizer.param_groups[0].optimizer_kwargs["lr"] == written["optimizer.lr"], path
+        assert (loaded.trainer.model_spec.flavor, loaded.model_name) == (written["model.flavor"], written["model.name"])
+        assert loaded.converters == tuple(written["model.converters"]), path
