@@ -99,7 +99,7 @@ def test_the_planner_reaches_the_adapter_through_the_chooser_alone():
 
 
 def test_every_command_the_0_2_adapter_runs_is_a_module_and_runs_here():
-    from titan_upipe.torchtitan_0_2.load_job import COMMANDS
+    from titan_upipe.torchtitan_0_2 import COMMANDS
 
     for command in COMMANDS:
         relative = command.removeprefix("titan_upipe.").replace(".", "/")
@@ -108,10 +108,9 @@ def test_every_command_the_0_2_adapter_runs_is_a_module_and_runs_here():
 
 
 def test_a_command_the_adapter_does_not_run_is_one_line(monkeypatch, capsys):
-    class Door:
-        COMMANDS = ("titan_upipe.plan",)
+    import titan_upipe.torchtitan_0_2 as adapter_0_2
 
-    monkeypatch.setattr(adapter, "adapter_module", lambda name: Door)
+    monkeypatch.setattr(adapter_0_2, "COMMANDS", ("titan_upipe.plan",))
     with pytest.raises(SystemExit) as stopped:
         adapter.require_command("titan_upipe.validate")
     assert stopped.value.code == 2

@@ -56,10 +56,10 @@ def adapter_module(name: str):
 
 def require_command(command: str) -> None:
     """Return where the installed TorchTitan's adapter hosts ``command`` (``titan_upipe.validate``: its
-    door's ``COMMANDS``); otherwise exit with one line naming what it hosts and the install that runs it
+    package's ``COMMANDS``); otherwise exit with one line naming what it hosts and the install that runs it
     (status 2). The ``-m`` shims call it before they import their command."""
     try:
-        hosted = adapter_module("load_job").COMMANDS
+        hosted = importlib.import_module(adapter_package()).COMMANDS
     except ConfigError as err:  # no TorchTitan, or a version no adapter speaks
         raise exit_once(command, str(err)) from None
     if command not in hosted:

@@ -34,7 +34,7 @@ from titan_upipe.torchtitan_0_2.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_2.job_spec import job_spec
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 
-__all__ = ["COMMANDS", "JobPreparation", "LoadedJob", "checked_job_of", "flavor_model_dims", "load_job", "parse_job",
+__all__ = ["JobPreparation", "LoadedJob", "checked_job_of", "flavor_model_dims", "load_job", "parse_job",
            "spec_of_recipe"]
 
 JobPreparation = Callable[[Any, int], object]
@@ -42,9 +42,6 @@ JobPreparation = Callable[[Any, int], object]
 before any process group starts, left on the job config (``titan_upipe.train``: the planner sizes
 ``keep_attention = "auto"``, ``torchtitan_0_2.job_plan.size_keep_attention_of_job``)."""
 
-COMMANDS = ("titan_upipe.train", "titan_upipe.validate", "titan_upipe.check", "titan_upipe.plan",
-            "titan_upipe.emulate", "titan_upipe.gpu_suite")
-"""The ``-m`` commands this adapter runs (``titan_upipe.adapter.require_command``)."""
 
 
 @dataclass(frozen=True)

@@ -18,3 +18,7 @@ load_job    the door the version-neutral tools call (``spec_of_recipe``,
 Nothing here imports ``titan_upipe.torchtitan_0_2`` (``tests/test_layers.py``), and no module
 outside this folder imports TorchTitan 0.3's API.
 """
+
+COMMANDS = ("titan_upipe.plan",)
+"""The ``-m`` commands this adapter runs (``titan_upipe.adapter.require_command``: read without importing
+the adapter's modules, so that a command it does not run stops at once)."""

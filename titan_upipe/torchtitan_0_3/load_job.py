@@ -13,10 +13,8 @@ from titan_upipe.torchtitan_0_3.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 
-__all__ = ["COMMANDS", "flavor_model_dims", "spec_of_recipe"]
+__all__ = ["flavor_model_dims", "spec_of_recipe"]
 
-COMMANDS = ("titan_upipe.plan",)
-"""The ``-m`` commands this adapter runs (``titan_upipe.adapter.require_command``)."""
 
 
 def spec_of_recipe(argv: list[str], world_size: int | None = None) -> JobSpec:
