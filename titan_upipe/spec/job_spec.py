@@ -107,3 +107,30 @@ def degrees_world_size(parallelism) -> int:
     object with those three fields (TorchTitan 0.2's ``[parallelism]`` section, 0.3's ``ParallelismConfig``)."""
     shard = parallelism.data_parallel_shard_degree
     return (shard if shard > 0 else 1) * parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree
+
+
+def writes_async_checkpoints(enable: bool, async_mode: str) -> bool:
+    """``[checkpoint]`` enabled with an ``async_mode`` other than ``disabled``: each save stages the node's
+    shard of the state in host memory."""
+    return bool(enable and async_mode != "disabled")
+
+
+def section_fields(converters, upipe, transforms, tsp, offload, state_on_host: bool, ac_mode: str,
+                   selective_ac_option: str) -> dict[str, object]:
+    """The ``JobSpec`` fields that ``model.converters`` and the plugin's sections decide
+    (``spec.sections``: ``upipe`` a ``UPipe``, ``transforms``, ``tsp``, ``offload`` an
+    ``ActivationCheckpointOffload``), mapped once for every adapter; ``selective_ac_option`` is kept for
+    ``ac_mode = "selective"`` alone. The adapters add the model, sizes, layout and keep plan."""
+    return dict(
+        attention_backend=upipe.attention_backend, document_balance=upipe.document_balance,
+        document_min_split=upipe.document_min_split,
+        tiled_mlp="tiled_mlp" in converters, tiled_rmsnorm="tiled_rmsnorm" in converters,
+        fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
+        mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
+        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=transforms.ce_backend,
+        ac_mode=ac_mode, selective_ac_option=selective_ac_option if ac_mode == "selective" else "",
+        cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
+        prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
+        optimizer_state_on_host=bool(state_on_host),
+        tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
+    )

@@ -22,6 +22,7 @@ from titan_upipe.plan.report import make_plot, render, summary
 from titan_upipe.plan.search import size_keep_attention
 from titan_upipe.plan.spec_input import plan_input_from_spec
 from titan_upipe.plan.step import plan
+from titan_upipe.spec.keep_attention import stated_plan
 from titan_upipe.spec.units import GIB
 from titan_upipe.tools.plan_arguments import TOOL, build_parser
 
@@ -93,18 +94,16 @@ class KeepRequest:
 
     @property
     def sized_by_planner(self) -> bool:
-        return self.where != "off" and self.blocks != 0 and (self.where == "auto" or self.blocks is None)
+        return stated_plan(self.where, self.blocks) is None
 
     def sized(self, job: PlanInput, gpu_mem_bytes: float | None, host_mem_bytes: float | None
               ) -> tuple[PlanInput, str | None]:
         """``job`` with its kept blocks: stated, or sized as the launch sizes them
         (``job_config.size_keep_attention_of_job``) for the GPU (default ``PLAN_GPU_GIB``, with a note
         saying so) and the host memory (none given: not limited)."""
-        if self.where == "off" or self.blocks == 0:
-            return replace(job, keep_device_blocks=0, keep_host_blocks=0), None
-        if self.where in ("device", "host") and self.blocks is not None:
-            counts = {"keep_device_blocks": self.blocks} if self.where == "device" else {"keep_host_blocks": self.blocks}
-            return replace(job, **{"keep_device_blocks": 0, "keep_host_blocks": 0, **counts}), None
+        stated = stated_plan(self.where, self.blocks)  # the config's own plan, as the launch reads it
+        if stated is not None:
+            return replace(job, keep_device_blocks=stated.device_blocks, keep_host_blocks=stated.host_blocks), None
         note = None
         if gpu_mem_bytes is None:
             gpu_mem_bytes = PLAN_GPU_GIB * GIB

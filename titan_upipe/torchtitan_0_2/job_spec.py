@@ -13,7 +13,8 @@ changes no shape the spec holds); the settings from ``[upipe]`` (``[context_para
 
 from __future__ import annotations
 
-from titan_upipe.spec.job_spec import JobSpec, degrees_world_size
+from titan_upipe.spec.job_spec import JobSpec, degrees_world_size, section_fields
+from titan_upipe.spec.job_spec import writes_async_checkpoints as async_checkpoints
 from titan_upipe.torchtitan_0_2.checks.keep_attention import keep_setting, known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.config import ActivationCheckpointOffload, OptimizerHostState, plugin_fields
@@ -21,10 +22,8 @@ from titan_upipe.torchtitan_0_2.flavors import flavor_args, model_dims_from_args
 
 
 def writes_async_checkpoints(job_config) -> bool:
-    """``[checkpoint]`` is enabled with an ``async_mode`` other than ``disabled``: each save stages the
-    node's shard of the state in host memory."""
-    checkpoint = job_config.checkpoint
-    return bool(checkpoint.enable and checkpoint.async_mode != "disabled")
+    """``[checkpoint]`` writes async checkpoints (``spec.job_spec.writes_async_checkpoints``)."""
+    return async_checkpoints(job_config.checkpoint.enable, job_config.checkpoint.async_mode)
 
 
 def job_spec(job_config, world_size: int | None = None) -> JobSpec:
@@ -32,28 +31,18 @@ def job_spec(job_config, world_size: int | None = None) -> JobSpec:
     the configured degrees' product). Raises ConfigError for a flavor, layout or keep-attention setting
     the job checks refuse; the layout is the checks' own (``checks.cp_layout``, built once per config)."""
     model_args = flavor_args(job_config, update=False)
-    converters = list(job_config.model.converters)
-    upipe, transforms, tsp = job_config.upipe, job_config.transforms, job_config.tsp
     ac = job_config.activation_checkpoint
-    offload = plugin_fields(ac, ActivationCheckpointOffload)
     where, blocks = keep_setting(job_config)
     return JobSpec(
         model=model_dims_from_args(f"{job_config.model.name}:{job_config.model.flavor}", model_args),
         seq_len=job_config.training.seq_len, local_batch=job_config.training.local_batch_size,
         world_size=degrees_world_size(job_config.parallelism) if world_size is None else world_size,
-        layout=cp_layout(job_config),
-        documents=packs_documents(model_args), attention_backend=upipe.attention_backend,
-        document_balance=upipe.document_balance, document_min_split=upipe.document_min_split,
+        layout=cp_layout(job_config), documents=packs_documents(model_args),
         param_dtype=job_config.training.mixed_precision_param, reduce_dtype=job_config.training.mixed_precision_reduce,
-        tiled_mlp="tiled_mlp" in converters, tiled_rmsnorm="tiled_rmsnorm" in converters,
-        fused_rope="fused_rope" in converters, fused_ce="fused_ce" in converters,
-        mlp_tile_tokens=transforms.mlp_tile_tokens, rmsnorm_tile_tokens=transforms.rmsnorm_tile_tokens,
-        ce_chunk_tokens=transforms.ce_chunk_tokens, ce_backend=transforms.ce_backend,
-        ac_mode=ac.mode, selective_ac_option=str(ac.selective_ac_option).strip() if ac.mode == "selective" else "",
-        cpu_offload=bool(offload.cpu_offload), pin_memory=bool(offload.pin_memory),
-        prefetch_after_attention=bool(offload.prefetch_after_attention), resident_blocks=int(offload.resident_blocks),
-        optimizer_state_on_host=bool(plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host),
         keep_attention=where, keep_attention_blocks=blocks, keep_plan=known_keep_attention_plan(job_config),
         async_checkpoint=writes_async_checkpoints(job_config),
-        tsp_kv_heads_per_bucket=tsp.kv_heads_per_bucket, tsp_overlap=tsp.overlap, tsp_mlp_recompute=tsp.mlp_recompute,
+        **section_fields(job_config.model.converters, job_config.upipe, job_config.transforms, job_config.tsp,
+                         plugin_fields(ac, ActivationCheckpointOffload),
+                         plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host, ac.mode,
+                         str(ac.selective_ac_option).strip()),
     )

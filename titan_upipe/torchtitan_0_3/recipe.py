@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import typing
 from dataclasses import dataclass
@@ -146,14 +147,10 @@ def key_annotation(key: str) -> object:
     return next(f.type for f in dataclasses.fields(cls) if f.name == name)
 
 
-_DEFAULT_TRAINER: list = []
-
-
+@functools.cache
 def _default_trainer():
     """One default ``Trainer.Config``, built on first use (its defaults are the stock keys' types)."""
-    if not _DEFAULT_TRAINER:
-        _DEFAULT_TRAINER.append(Trainer.Config())
-    return _DEFAULT_TRAINER[0]
+    return Trainer.Config()
 
 
 def _flag_key(flag: str) -> tuple[str, bool]:
