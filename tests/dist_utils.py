@@ -17,7 +17,6 @@ import atexit
 import itertools
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -26,14 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from forked_ranks import free_port
 
 from titan_upipe.torchtitan_0_2.model_classes import register_model_classes
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any) -> None:

@@ -39,19 +39,32 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from dist_utils import free_port
-
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 PRELOADED = ("titan_upipe.train", "titan_upipe.torchtitan_0_2.launch", "torchtitan.train",
              "torch.utils.tensorboard", "titan_upipe.emulate")
 """What each parent imports once: the trainer, TorchTitan's, TensorBoard's writer, the rank emulator."""
+PRELOADED_0_3 = ("titan_upipe.train", "titan_upipe.torchtitan_0_3.launch", "torch.utils.tensorboard")
+"""The same where TorchTitan 0.3 is installed (the ``tests_tt03`` pass): its adapter's trainer."""
+
+
+def preloaded() -> tuple[str, ...]:
+    from titan_upipe.adapter import adapter_package
+
+    return PRELOADED_0_3 if adapter_package().endswith("0_3") else PRELOADED
 
 FORKABLE_MODULES = ("titan_upipe.train",)
 """Modules a fork runs as its fresh start would. Not ``torchtitan.train``: its ``ConfigManager.parse_args``
@@ -112,7 +125,7 @@ def _serve() -> None:
     requests = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints of imports go to stderr, not into the replies
-    for name in PRELOADED:
+    for name in preloaded():
         importlib.import_module(name)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
     for line in requests:

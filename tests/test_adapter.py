@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -101,16 +102,18 @@ def test_the_planner_reaches_the_adapter_through_the_chooser_alone():
 def test_every_command_the_0_2_adapter_runs_is_a_module_and_runs_here():
     from titan_upipe.torchtitan_0_2 import COMMANDS
 
-    for command in COMMANDS:
+    for command, entry in COMMANDS.items():
         relative = command.removeprefix("titan_upipe.").replace(".", "/")
         assert (PACKAGE / f"{relative}.py").is_file() or (PACKAGE / relative / "__main__.py").is_file(), command
-        adapter.require_command(command)  # hosted: returns
+        assert adapter.require_command(command) == entry  # hosted: where it runs
+        module, function = entry.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), entry
 
 
 def test_a_command_the_adapter_does_not_run_is_one_line(monkeypatch, capsys):
     import titan_upipe.torchtitan_0_2 as adapter_0_2
 
-    monkeypatch.setattr(adapter_0_2, "COMMANDS", ("titan_upipe.plan",))
+    monkeypatch.setattr(adapter_0_2, "COMMANDS", {"titan_upipe.plan": "titan_upipe.tools.plan_cli:main"})
     with pytest.raises(SystemExit) as stopped:
         adapter.require_command("titan_upipe.validate")
     assert stopped.value.code == 2

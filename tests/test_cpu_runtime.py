@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from titan_upipe.torchtitan_0_2 import cpu_runtime
+from titan_upipe.torchtitan_common import cpu_runtime
 
 
 def test_torchtitan_modules_see_cpu():

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "titan_upipe"
 LAYERS = {
     "core": ("errors", "resources", "spec", "plan", "parallel", "attention", "transforms", "tsp", "optim", "costs",
              "contracts"),
-    "glue": ("torchtitan_0_2", "torchtitan_0_3", "adapter", "data", "plugin", "config"),
+    "glue": ("torchtitan_0_2", "torchtitan_0_3", "torchtitan_common", "adapter", "data", "plugin", "config"),
     "tools": ("toolkit", "tools", "emulate", "train", "validate", "check", "gpu_suite"),
 }
 """Folders (and the root's few modules) by layer: ``errors`` is the error type; ``plugin`` and
@@ -37,6 +37,10 @@ PURE_FOLDERS = ("spec", "costs", "plan")
 ADAPTERS = ("torchtitan_0_2", "torchtitan_0_3")
 """One folder per TorchTitan version (``titan_upipe.adapter`` chooses by the installed one): the only
 folders that import TorchTitan, and none imports another."""
+COMMON_ADAPTER = "torchtitan_common"
+"""Code that speaks an API every supported TorchTitan shares (its device globals): both adapters may
+import it, it imports neither."""
+TORCHTITAN_FOLDERS = (*ADAPTERS, COMMON_ADAPTER)
 TORCHTITAN_OUTSIDE_ADAPTER: set[str] = set()
 """Modules outside the adapter allowed to import TorchTitan: none (issue 43 moved the last behind it).
 A module on it that no longer imports TorchTitan is reported, so the set cannot go stale."""
@@ -198,12 +202,13 @@ def layer_violations(root: Path = PACKAGE) -> list[str]:
         folder = module.split(".")[1] if "." in module else ""
         if module in TORCHTITAN_OUTSIDE_ADAPTER and not any(t.split(".")[0] == "torchtitan" for t in targets):
             problems.append(f"{module} imports no TorchTitan any more: take it off TORCHTITAN_OUTSIDE_ADAPTER")
-        if folder not in ADAPTERS and module not in TORCHTITAN_OUTSIDE_ADAPTER:
+        if folder not in TORCHTITAN_FOLDERS and module not in TORCHTITAN_OUTSIDE_ADAPTER:
             problems += [f"{module} imports {t}: TorchTitan is imported in the adapter folders "
-                         f"({', '.join(a + '/' for a in ADAPTERS)}) only" for t in targets if t.split(".")[0] == "torchtitan"]
+                         f"({', '.join(a + '/' for a in TORCHTITAN_FOLDERS)}) only" for t in targets
+                         if t.split(".")[0] == "torchtitan"]
     for module, targets in sorted(graph.items()):
         folder = module.split(".")[1] if "." in module else ""
-        if folder in ADAPTERS:
+        if folder in TORCHTITAN_FOLDERS:
             problems += [f"{module} imports {t}: an adapter speaks one TorchTitan version and imports no other adapter"
                          for t in sorted(targets) if len(t.split(".")) > 1 and t.split(".")[1] in ADAPTERS
                          and t.split(".")[1] != folder]
@@ -288,6 +293,8 @@ def _sabotaged_copy(tmp_path: Path, module: str, code: str) -> Path:
          "imported in the adapter folders"),
         ("titan_upipe.spec.units", "\n\ndef _late():\n    return __import__('torch')\n", "(spec: arithmetic) imports torch"),
         ("titan_upipe.torchtitan_0_3.flavors", "\nfrom titan_upipe.torchtitan_0_2 import flavors as old\n",
+         "imports no other adapter"),
+        ("titan_upipe.torchtitan_common.cpu_runtime", "\nfrom titan_upipe.torchtitan_0_3 import flavors\n",
          "imports no other adapter"),
         # a deferred import of the package: refused in a module, allowed in a -m entry module only
         ("titan_upipe.tools.plan_cli", "\n\ndef _late():\n    import titan_upipe.tools.parity\n", "inside a function"),

@@ -150,7 +150,7 @@ def test_cuda_asked_for_leaves_torchtitans_device_alone(monkeypatch):
     as it is, and the job checks refuse a machine without CUDA (the table above)."""
     import torchtitan.tools.utils as titan_utils
 
-    from titan_upipe.torchtitan_0_2 import cpu_runtime
+    from titan_upipe.torchtitan_common import cpu_runtime
 
     monkeypatch.setenv("TITAN_UPIPE_DEVICE", "cuda")
     monkeypatch.setattr(titan_utils, "device_type", "cuda")

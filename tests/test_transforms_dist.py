@@ -33,7 +33,7 @@ def _convert(model, mesh, case: Case, rope_tables: list):
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp
 
     from titan_upipe.attention import convert_attention
-    from titan_upipe.torchtitan_0_2 import cpu_runtime
+    from titan_upipe.torchtitan_common import cpu_runtime
     from titan_upipe.transforms.model_forward import enable_fused_rope
     from titan_upipe.transforms.offload import apply_offloaded_ac
     from titan_upipe.transforms.surgery import fuse_cross_entropy, tile_feed_forwards, tile_rms_norms

@@ -3,6 +3,9 @@ one (``make test`` puts the ``.tt03`` environment first on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from titan_upipe.adapter import installed_torchtitan_version
@@ -13,3 +16,7 @@ def pytest_configure(config):
     if version is None or not version.startswith("0.3."):
         pytest.exit(f"tests_tt03 runs on TorchTitan 0.3, found {version}: run `make test` (it builds .tt03 with "
                     "`make install`), or PYTHONPATH=.tt03 .venv/bin/python -m pytest tests_tt03", returncode=2)
+
+
+# The main suite's launch helpers (forked ranks, TensorBoard readers) serve this pass too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -124,8 +124,8 @@ def test_context_parallel_is_the_same_section_as_upipe(tmp_path):
                                      r"did you mean \"training.seq_len\""),
     (["--upipe.attention_backend", "sdpaa"], r"invalid upipe.attention_backend = 'sdpaa': valid values are auto, sdpa, "
                                              r"math, cudnn, .*did you mean \"sdpa\""),
-    (["--model.flavor", "debug"], r"model.flavor = 'debug' is not a flavor of upipe_llama3 on TorchTitan 0.3: valid "
-                                  r"values are debugmodel, 1B, 3B, 8B"),
+    (["--model.flavor", "debug_gqa"], r"model.flavor = 'debug_gqa' is not a flavor of upipe_llama3 on TorchTitan 0.3: "
+                                      r"valid values are debugmodel, 1B, 3B, 8B, 70B, 405B, debug, debug_mha, debug_kv4"),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
      r"selective_ac_option = '2' \(per-block selective AC: one block in 2 checkpointed\) is not in TorchTitan 0.3"),
     (["--activation_checkpoint.keep_attention_blocks", "40"],

@@ -5,8 +5,9 @@ TorchTitan     adapter package                   what it hosts
 ============== ================================= ================================================
 0.2.x          ``titan_upipe.torchtitan_0_2``    every feature (the default install)
 0.3.x          ``titan_upipe.torchtitan_0_3``    recipes read into a ``Trainer.Config`` and the
-                                                 same ``JobSpec`` (``plan`` runs); training is
-                                                 issue 44's work (docs/torchtitan_versions.md)
+                                                 same ``JobSpec``; ``train`` (every CP mode but
+                                                 TSP), ``validate``, ``plan``
+                                                 (docs/torchtitan_versions.md)
 ============== ================================= ================================================
 
 The version is read from the installed distribution's metadata (``importlib.metadata``), so this
@@ -54,10 +55,10 @@ def adapter_module(name: str):
     return importlib.import_module(f"{adapter_package()}.{name}")
 
 
-def require_command(command: str) -> None:
-    """Return where the installed TorchTitan's adapter hosts ``command`` (``titan_upipe.validate``: its
-    package's ``COMMANDS``); otherwise exit with one line naming what it hosts and the install that runs it
-    (status 2). The ``-m`` shims call it before they import their command."""
+def require_command(command: str) -> str:
+    """Where the installed TorchTitan's adapter runs ``command`` (``"titan_upipe.tools.preflight:main"``:
+    its package's ``COMMANDS``, read without importing the adapter's modules); otherwise exit with one
+    line naming what it hosts and the install that runs it (status 2)."""
     try:
         hosted = importlib.import_module(adapter_package()).COMMANDS
     except ConfigError as err:  # no TorchTitan, or a version no adapter speaks
@@ -66,3 +67,11 @@ def require_command(command: str) -> None:
         raise exit_once(command, f"{command} does not run on torchtitan {installed_torchtitan_version()} yet: its "
                                  f"adapter runs {', '.join(hosted)}; run {command} on torchtitan 0.2.2 (`make "
                                  "install`'s .venv, without .tt03 on PYTHONPATH: docs/torchtitan_versions.md)") from None
+    return hosted[command]
+
+
+def run_command(command: str):
+    """Run ``command`` as the installed TorchTitan's adapter hosts it (:func:`require_command`) and return
+    what its entry function returns (the ``-m`` shims' exit status)."""
+    module, function = require_command(command).split(":")
+    return getattr(importlib.import_module(module), function)()

@@ -7,7 +7,7 @@ family's classes in a :class:`ModelFamily` record and registers it with :data:`M
 record adds what no attribute tells: the RoPE table's kind and the softmax scale.
 
 * attention (:class:`AttentionModule`): ``wq`` ``[H·D, d]``, ``wk``/``wv`` ``[KV·D, d]``, ``wo``
-  ``[d, H·D]`` without bias; optional per-head RMSNorms ``q_norm``/``k_norm`` ``[D]`` applied
+  ``[d, H·D]`` without bias (where the family keeps them: ``ModelFamily.projection_paths``); optional per-head RMSNorms ``q_norm``/``k_norm`` ``[D]`` applied
   before RoPE; ``softmax(scale · q kᵀ) v`` per head, with the RoPE table given at call time:
   ``COMPLEX`` (Llama3 ``freqs_cis``, complex ``[S, D/2]``) or ``COS_SIN`` (Qwen3 ``rope_cache``,
   real ``cos‖sin`` ``[S, 2D]``);
@@ -25,6 +25,7 @@ the model's, which is by exact class (the class swap must not skip a subclass's 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -87,15 +88,34 @@ class ModelFamily:
     attention: type[nn.Module]
     feed_forward: type[nn.Module]
     """Its dense SwiGLU feed-forward (an MoE is not one)."""
-    rotary: RotaryKind
-    """The RoPE table the model hands its blocks."""
+    rotary: RotaryKind | Callable[[nn.Module], RotaryKind]
+    """The RoPE table the attention reads: one kind for the family, or read off each attention module
+    (a family whose attention class serves models of both kinds)."""
     attention_scale: Callable[[nn.Module], float]
     """The softmax scale an attention module of the family applies."""
     fused_model: type[nn.Module] | None = None
     """``model`` with the transformed forward (``fused_rope``, ``fused_ce``); None: not supported."""
+    projection_paths: tuple[str, str, str, str] = PROJECTIONS
+    """Where ``wq``, ``wk``, ``wv``, ``wo`` sit in the attention module (dotted attribute paths:
+    TorchTitan 0.3 keeps the first three in ``qkv_linear``)."""
+    kept_children: tuple[str, ...] = ()
+    """Further children of the attention the converted module keeps as its own (0.3's ``rope``, whose
+    table it reads), besides the projections' and the QK norms."""
+    converted_attention: type[nn.Module] | None = None
+    """The class the family's attention converts to (a subclass of the core's
+    ``ContextParallelAttention`` with the family's forward signature); None: the core's class."""
 
     def classes(self) -> tuple[type[nn.Module], ...]:
         return tuple(value for f in fields(self) if isinstance(value := getattr(self, f.name), type))
+
+    def rotary_of(self, attention: nn.Module) -> RotaryKind:
+        """The RoPE kind ``attention`` (a module of this family) applies."""
+        return self.rotary if isinstance(self.rotary, RotaryKind) else self.rotary(attention)
+
+
+def projection(attention: nn.Module, path: str) -> nn.Linear:
+    """The projection at the dotted ``path`` of ``attention`` (``ModelFamily.projection_paths``)."""
+    return operator.attrgetter(path)(attention)
 
 
 class ModelClasses:

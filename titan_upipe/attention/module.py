@@ -31,6 +31,7 @@ from titan_upipe.attention.model_protocol import (
     UNREGISTERED_HINT,
     AttentionModule,
     ModelClasses,
+    projection,
 )
 from titan_upipe.attention.projection import HeadProjection, RotaryKind
 from titan_upipe.attention.ring import RingAttentionBackend
@@ -46,7 +47,6 @@ from titan_upipe.spec.head_schedule import HeadSchedule, build_schedule
 
 Tensor = torch.Tensor
 
-SHARED_SUBMODULES = (*PROJECTIONS, *QK_NORMS)
 
 TSP_NOT_AN_ATTENTION_MODE = (
     "convert_attention does not build TSP: TSP shards the attention's and the feed-forward's weights over "
@@ -69,6 +69,17 @@ class AttentionSpec:
     rotary: RotaryKind
     qk_norm: bool
     norm_eps: float | None
+    projection_paths: tuple[str, ...] = PROJECTIONS
+    """Where ``wq``, ``wk``, ``wv``, ``wo`` sit (``ModelFamily.projection_paths``)."""
+    kept_children: tuple[str, ...] = ()
+    converted_class: type[nn.Module] | None = None
+    """The family's ``ContextParallelAttention`` subclass (None: this module's class)."""
+
+    @property
+    def shared_submodules(self) -> tuple[str, ...]:
+        """The source's children the converted module registers as its own: the projections' parents,
+        the QK norms and the family's kept children."""
+        return (*dict.fromkeys(path.split(".")[0] for path in self.projection_paths), *QK_NORMS, *self.kept_children)
 
     @classmethod
     def of(cls, module: AttentionModule, classes: ModelClasses = MODEL_CLASSES) -> AttentionSpec:
@@ -77,11 +88,18 @@ class AttentionSpec:
             known = (f"the registered {classes.names()} Attention modules" if classes.families else
                      f"the Attention modules of registered model families, and none is: {UNREGISTERED_HINT}")
             raise ConfigError(f"convert_attention supports {known}; got {type(module).__name__}")
-        rotary, scale = family.rotary, family.attention_scale(module)
+        rotary, scale = family.rotary_of(module), family.attention_scale(module)
         # attn_type (sdpa, flex, varlen) picks TorchTitan's kernel, which conversion replaces: packed
         # documents reach the converted attention as a document_mask (the trainer builds it from
         # attn_mask_type = "block_causal", titan_upipe.torchtitan_0_2.cp_inputs), never as a flex/varlen mask.
-        biased = [name for name in PROJECTIONS if getattr(module, name).bias is not None]
+        try:
+            projections = {name: projection(module, path)
+                           for name, path in zip(PROJECTIONS, family.projection_paths, strict=True)}
+        except AttributeError as missing:
+            raise ConfigError(f"context-parallel attention reads wq, wk, wv, wo at {', '.join(family.projection_paths)} "
+                              f"of a {family.name} attention; this {type(module).__name__} lacks one ({missing}): "
+                              "build the model with separate Q/K/V projections") from None
+        biased = [name for name, linear in projections.items() if linear.bias is not None]
         if biased:
             raise ConfigError(f"context-parallel attention supports projections without bias (Llama3, Qwen3); "
                               f"{', '.join(biased)} of this module have one")
@@ -95,6 +113,9 @@ class AttentionSpec:
             rotary=rotary,
             qk_norm=q_norm is not None,
             norm_eps=q_norm.eps if q_norm is not None else None,
+            projection_paths=family.projection_paths,
+            kept_children=family.kept_children,
+            converted_class=family.converted_attention,
         )
 
 
@@ -113,7 +134,7 @@ class ContextParallelAttention(nn.Module):
         # The very same submodules, registered in the source's order: parameters are shared
         # and named (and ordered) as before, so state dicts and FSDP groups are unchanged.
         for name, child in source.named_children():
-            if name in SHARED_SUBMODULES:
+            if name in spec.shared_submodules:
                 setattr(self, name, child)
         if spec.rotary is RotaryKind.COS_SIN and not spec.qk_norm:
             self.q_norm = self.k_norm = None
@@ -252,13 +273,14 @@ class ContextParallelAttention(nn.Module):
             kept=kept,
         )
         norms = (self.q_norm.weight, self.k_norm.weight) if self.spec.qk_norm else (None, None)
-        weights = (self.wq.weight, self.wk.weight, self.wv.weight, *norms)
+        wq, wk, wv, wo = (projection(self, path) for path in self.spec.projection_paths)
+        weights = (wq.weight, wk.weight, wv.weight, *norms)
         if self.mode in ("ulysses", "ring", "usp"):
             # ring: Ulysses with one rank; usp: Ulysses whose kernel is the ring.
-            return self.wo(ulysses_attention(x, *weights, run))
+            return wo(ulysses_attention(x, *weights, run))
         if self.mode == "upipe":
             # UPipe applies wo itself: its backward forms dO one stage slice at a time, never whole.
-            return UPipeAttentionFunction.apply(x, *weights[:3], self.wo.weight, *norms, run)
+            return UPipeAttentionFunction.apply(x, *weights[:3], wo.weight, *norms, run)
         # tsp is its own module (TSPAttention overrides forward): never another mode under its name
         raise ConfigError(TSP_NOT_AN_ATTENTION_MODE if self.mode == CPMode.TSP else
                           f"ContextParallelAttention has no mode {self.mode!r}: ulysses, upipe, ring or usp")
@@ -312,7 +334,8 @@ def convert_attention_of_blocks(modules: list[nn.Module], mode: str, cp_mesh: De
         if AttentionSpec.of(module) != spec:
             raise ConfigError(f"the blocks' attentions differ ({AttentionSpec.of(module)} against {spec}): context-"
                               "parallel conversion shares one head schedule and kernel; convert them one by one")
-        layer = ContextParallelAttention(module, spec, mode, cp_mesh, schedule, kernel, ring_degree, compute_dtype)
+        layer = (spec.converted_class or ContextParallelAttention)(module, spec, mode, cp_mesh, schedule, kernel,
+                                                                   ring_degree, compute_dtype)
         layer.in_place_rope = in_place_rope
         layers.append(layer)
     return layers

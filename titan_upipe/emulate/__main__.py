@@ -2,10 +2,7 @@
 
 import sys
 
-from titan_upipe.adapter import require_command
+from titan_upipe.adapter import run_command
 
 if __name__ == "__main__":
-    require_command("titan_upipe.emulate")  # one line where the installed TorchTitan's adapter has no emulator
-    from titan_upipe.emulate.cli import main
-
-    sys.exit(main())
+    sys.exit(run_command("titan_upipe.emulate"))  # one line where the installed TorchTitan's adapter has no emulator

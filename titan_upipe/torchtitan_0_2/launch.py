@@ -43,6 +43,7 @@ from titan_upipe.torchtitan_0_2.config_parse import parse_config
 from titan_upipe.torchtitan_0_2.interrupts import Interrupted, InterruptWatch, interrupted_line
 from titan_upipe.torchtitan_0_2.job_assets import check_assets, checkpoint_folder, saved_steps
 from titan_upipe.torchtitan_0_2.load_job import JobPreparation, checked_job_of
+from titan_upipe.torchtitan_0_2.memory_guard import prepare_launch
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
 from titan_upipe.torchtitan_0_2.worker_exit import error_line, exit_after_start, exit_before_start
@@ -220,3 +221,9 @@ def main(args: list[str] | None = None, prepare: JobPreparation | None = None) -
 
 if __name__ == "__main__":
     main()
+
+
+def train_main() -> None:
+    """``python -m titan_upipe.train`` (``titan_upipe.train`` calls each adapter's ``launch.train_main``):
+    :func:`main` with the memory planner's launch preparation."""
+    main(prepare=prepare_launch)

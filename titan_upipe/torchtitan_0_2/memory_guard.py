@@ -29,24 +29,23 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from titan_upipe.errors import ConfigError
+from titan_upipe.plan.fit import fit_problem
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory, cgroup_memory_limit
-from titan_upipe.plan.search import longest_multiple
-from titan_upipe.plan.step import plan
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
 from titan_upipe.spec.units import GIB
-from titan_upipe.torchtitan_0_2 import cpu_runtime
 from titan_upipe.torchtitan_0_2.job_plan import (
     async_checkpoint_staging_bytes,
     plan_input_from_job_config,
     size_keep_attention_of_job,
     this_gpu_bytes,
 )
+from titan_upipe.torchtitan_common import cpu_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -149,73 +148,6 @@ class MemoryDoesNotFit(ConfigError):
     the emulator's ``--json``, record this refusal as one)."""
 
 
-@dataclass(frozen=True)
-class MemoryFit:
-    """What a rank of a planned job needs, beside what it has."""
-
-    rank_bytes: float
-    """The planner's peak of one step per rank; on the CPU with the rank's offloaded inputs, host
-    optimizer state and async checkpoint staging, which share its memory."""
-    rank_limit: float
-    """What a rank may use: GPU memory less the runtime reserve, or its share of the free host memory."""
-
-    @property
-    def fits(self) -> bool:
-        return self.rank_bytes <= self.rank_limit
-
-
-def memory_fit(job: PlanInput, machine: MachineMemory, staging_bytes: int) -> MemoryFit:
-    """The plan of ``job`` against ``machine`` (``staging_bytes``: a node's async checkpoint staging)."""
-    result = plan(job, machine.host_bytes)
-    if machine.device == "cuda":
-        return MemoryFit(result.peak_gpu_bytes, machine.gpu_bytes - job.reserve)
-    ranks = machine.ranks_per_node
-    return MemoryFit(result.peak_gpu_bytes + result.host_bytes_per_rank + staging_bytes / ranks,
-                     machine.host_bytes / ranks)
-
-
-def longest_fitting_length(job: PlanInput, machine: MachineMemory, staging_bytes: int) -> int | None:
-    """The longest multiple of the job's sequence unit below its ``seq_len`` that fits (0: none
-    does; None: the planner cannot plan a shorter length)."""
-    unit = job.seq_unit
-    try:
-        return unit * longest_multiple(
-            lambda k: memory_fit(replace(job, seq_len=k * unit), machine, staging_bytes).fits,
-            start=1, limit=max(job.seq_len // unit - 1, 1))
-    except ValueError:
-        return None
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB"
-
-
-def _shortfall(job: PlanInput, fit: MemoryFit, machine: MachineMemory) -> str:
-    """What does not fit, in numbers."""
-    blocks = f"{job.model.n_layers} blocks, {job.tokens:,} tokens per rank"
-    if machine.device == "cuda":
-        return (f"the memory planner predicts {_gib(fit.rank_bytes)} per rank at the step's peak ({blocks}), and "
-                f"the GPU has {_gib(machine.gpu_bytes)}, {_gib(fit.rank_limit)} after the planner's "
-                f"{_gib(job.reserve)} runtime reserve")
-    return (f"the memory planner predicts {_gib(fit.rank_bytes)} per rank ({blocks}; on the CPU activations, state "
-            f"and offloaded inputs share the host memory), and {_gib(machine.host_bytes)} of host memory is free, "
-            f"{_gib(fit.rank_limit)} for {_each_of(machine.ranks_per_node)}")
-
-
-def _each_of(ranks: int) -> str:
-    return "its one rank" if ranks == 1 else f"each of its {ranks} ranks"
-
-
-def _fix(job: PlanInput, longest: int | None) -> str:
-    if longest is None:
-        return "lower training.seq_len"
-    if longest:
-        unit = f", a multiple of {job.seq_unit}" if job.seq_unit > 1 else ""
-        return f"set training.seq_len to {longest:,} or less (the longest that fits{unit})"
-    return (f"no training.seq_len fits (the model's state alone does not, even at {job.seq_unit} tokens): use more "
-            "ranks (FSDP shards the state) or a machine with more memory")
-
-
 def memory_problem(job_config, world_size: int, machine: MachineMemory, n_layers: int | None = None,
                    batch: int | None = None) -> str | None:
     """Why the job does not fit ``machine`` (``n_layers``, ``batch``: :func:`planned_job`), with the
@@ -223,15 +155,10 @@ def memory_problem(job_config, world_size: int, machine: MachineMemory, n_layers
     try:
         job = planned_job(job_config, world_size, machine, n_layers, batch)
         staging = async_checkpoint_staging_bytes(job_config, job)
-        fit = memory_fit(job, machine, staging)
+        return fit_problem(job, machine, staging)
     except ValueError as err:  # ConfigError too: a setting the planner refuses
         logger.info(f"memory guard skipped: the planner cannot plan this job ({err})")
         return None
-    if fit.fits:
-        return None
-    longest = longest_fitting_length(job, machine, staging)
-    return (f"training.seq_len = {job.seq_len:,} does not fit: {_shortfall(job, fit, machine)}; "
-            f"{_fix(job, longest)}")
 
 
 def check_memory_fits(job_config, world_size: int, machine: MachineMemory | None = None, *,

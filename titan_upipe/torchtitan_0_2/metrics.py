@@ -41,7 +41,7 @@ health/nonfinite_steps         steps so far whose loss or gradient norm was NaN 
 TorchTitan colours its console lines unless ``metrics.disable_color_printing``; the processor
 keeps them plain also when stdout is not a terminal (a redirected log, a SLURM output file).
 
-On CPU (``titan_upipe.torchtitan_0_2.cpu_runtime``) the device statistics are the process's resident set.
+On CPU (``titan_upipe.torchtitan_common.cpu_runtime``) the device statistics are the process's resident set.
 """
 
 from __future__ import annotations

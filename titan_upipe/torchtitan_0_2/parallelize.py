@@ -26,7 +26,6 @@ from torchtitan.models.llama3.infra.parallelize import apply_compile, disable_fs
 from torchtitan.tools.logging import logger
 
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
-from titan_upipe.torchtitan_0_2 import cpu_runtime
 from titan_upipe.torchtitan_0_2.checks import check_job
 from titan_upipe.torchtitan_0_2.checks.keep_attention import (
     keep_attention_plan,
@@ -39,6 +38,7 @@ from titan_upipe.torchtitan_0_2.config import (
     ConfigError,
     plugin_fields,
 )
+from titan_upipe.torchtitan_common import cpu_runtime
 from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.tsp.modules import tsp_sharded_parameters
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from torchtitan.protocols.model_converter import register_model_converter
 
-from titan_upipe.torchtitan_0_2 import converters, cpu_runtime, datasets, model_classes, specs
+from titan_upipe.torchtitan_0_2 import converters, datasets, model_classes, specs
+from titan_upipe.torchtitan_common import cpu_runtime
 
 
 def register_converters(named: dict[str, type]) -> None:

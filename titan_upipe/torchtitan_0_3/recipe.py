@@ -69,6 +69,9 @@ STOCK_KEYS = {
     "checkpoint.keep_latest_k": "checkpoint.keep_latest_k",
     "checkpoint.last_save_model_only": "checkpoint.last_save_model_only",
     "checkpoint.initial_load_in_hf": "checkpoint.initial_load_in_hf",
+    "checkpoint.initial_load_path": "checkpoint.initial_load_path", "checkpoint.load_only": "checkpoint.load_only",
+    "checkpoint.create_seed_checkpoint": "checkpoint.create_seed_checkpoint",
+    "checkpoint.load_step": "checkpoint.load_step", "training.global_batch_size": "training.global_batch_size",
     "comm.init_timeout_seconds": "comm.init_timeout_seconds", "comm.train_timeout_seconds": "comm.train_timeout_seconds",
     "debug.seed": "debug.seed",
 }
@@ -102,7 +105,7 @@ default (per-op selective; 0.2's was every second block, which 0.3 has not)."""
 READ_HERE_TYPES = {"model.name": str, "model.flavor": str, "model.converters": list[str], "optimizer.name": str,
                    "optimizer.lr": float, "activation_checkpoint.mode": str,
                    "activation_checkpoint.selective_ac_option": str}
-NONE_DEFAULT_TYPES = {"debug.seed": int}
+NONE_DEFAULT_TYPES = {"debug.seed": int, "checkpoint.initial_load_path": str}
 """Stock keys whose 0.3 default is None, and the type a recipe gives them (0.2's annotation)."""
 
 

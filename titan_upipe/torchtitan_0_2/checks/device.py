@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.torchtitan_0_2.cpu_runtime import device_problem
+from titan_upipe.torchtitan_common.cpu_runtime import device_problem
 
 
 def check_device(job_config, world_size: int) -> None:

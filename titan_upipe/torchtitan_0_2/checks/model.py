@@ -14,8 +14,8 @@ from titan_upipe.spec.cp_layout import CP_MODES, CPLayout, CPMode, cp_mode
 from titan_upipe.torchtitan_0_2.checks.ignored import ignored_settings
 from titan_upipe.torchtitan_0_2.checks.parallelism import cp_layout
 from titan_upipe.torchtitan_0_2.cp_inputs import MASK_TYPES
-from titan_upipe.torchtitan_0_2.cpu_runtime import job_device
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim, packs_documents
+from titan_upipe.torchtitan_common.cpu_runtime import job_device
 from titan_upipe.transforms import TRANSFORM_NAMES
 from titan_upipe.transforms.fused_ce import resolve_backend
 

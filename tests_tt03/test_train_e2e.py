@@ -1,0 +1,90 @@
+"""The debug recipes train on TorchTitan 0.3 (``python -m titan_upipe.train``, the ranks on gloo) with the
+losses of a one-rank run on 0.3, for every CP mode the 0.3 adapter runs: Ulysses, ring, UPipe, USP and
+UPipe inside USP; Llama3 and Qwen3.
+
+Every run starts from one seed checkpoint (0.3's ``create_seed_checkpoint``), so the layouts start
+from the same weights; the one-rank reference runs 0.3's own attention (SDPA, causal), the CP runs
+the plugin's. Each CP run must log its conversion: a run whose attention was left alone would match
+too, and prove nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from trainer_utils import (
+    assert_losses_close,
+    create_seed_checkpoint,
+    load_seed,
+    losses,
+    read_scalars,
+    torchrun,
+)
+
+STEPS = "3"
+SEQ = 512
+GLOBAL_BATCH = 4
+
+
+def train(ranks: int, config: str, out, seed, *overrides: str):
+    return torchrun(ranks, "titan_upipe.train", config, out, "--training.steps", STEPS, *overrides, *load_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama3_seed(tmp_path_factory):
+    return create_seed_checkpoint("configs/debug/llama3_fsdp.toml", tmp_path_factory.mktemp("seed03"))
+
+
+@pytest.fixture(scope="module")
+def llama3_one_rank(llama3_seed, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one03")
+    train(1, "configs/debug/llama3_fsdp.toml", out, llama3_seed, "--training.local_batch_size", str(GLOBAL_BATCH))
+    return out
+
+
+CP_CASES = [
+    # (config, ranks, CP mode, what the conversion log shows, overrides): a global batch of 4 sequences each
+    ("configs/debug/llama3_ulysses.toml", 2, "ulysses", "{'cp': 2}", ("--training.local_batch_size", "4")),
+    ("configs/debug/llama3_ring.toml", 2, "ring", "{'ring': 2}",
+     ("--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2")),
+    # U = 4 of 8 heads over 2 ranks: two stages
+    ("configs/debug/llama3_upipe.toml", 2, "upipe", "{'cp': 2}",
+     ("--training.local_batch_size", "4", "--upipe.heads_per_stage", "4")),
+    ("configs/debug/llama3_usp.toml", 4, "usp", "{'ring': 2, 'ulysses': 2}", ("--training.local_batch_size", "4")),
+    # UPipe's stages, each a ring over 2, on the 2-D (ring, ulysses) mesh
+    ("configs/debug/llama3_upipe_usp.toml", 4, "upipe", "{'ring': 2, 'ulysses': 2}",
+     ("--training.local_batch_size", "4")),
+]
+
+
+@pytest.mark.parametrize("config, ranks, mode, mesh, overrides", CP_CASES,
+                         ids=["ulysses-cp2", "ring-cp2", "upipe-cp2-u4", "usp-r2u2", "upipe-in-usp-r2u2"])
+def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path, config, ranks, mode, mesh,
+                                                  overrides):
+    proc = train(ranks, config, tmp_path, llama3_seed, *overrides)
+    log = proc.stdout + proc.stderr
+    assert f"Converted attention to {mode} over a CP mesh of {ranks} ranks ({mesh})" in log
+    reference = losses(llama3_one_rank)
+    assert len(reference) == int(STEPS)
+    assert_losses_close(losses(tmp_path), reference, rtol=1e-5)
+    check_counters(tmp_path, cp=ranks)
+
+
+def check_counters(out, cp: int) -> None:
+    """Against independent counts: the global batch's tokens per step (once, not once per CP rank),
+    the rank's 1/C share per device, and the max over data-parallel batches (one here: the mean)."""
+    scalars = read_scalars(out)
+    steps = range(1, int(STEPS) + 1)
+    assert scalars["n_tokens_seen"] == [(s, s * GLOBAL_BATCH * SEQ) for s in steps]
+    for (_, tps), (_, seconds) in zip(scalars["throughput(tps)"], scalars["time_metrics/end_to_end(s)"], strict=True):
+        assert tps * seconds == pytest.approx(GLOBAL_BATCH * SEQ / cp, rel=1e-4)
+    assert_losses_close(losses(out, "loss_metrics/global_max_loss"), losses(out), rtol=1e-6)
+
+
+def test_qwen3_upipe_matches_one_rank_on_0_3(tmp_path_factory):
+    """Qwen3 (QK norms, the cos||sin RoPE table) under UPipe on 2 ranks equals one rank."""
+    seed = create_seed_checkpoint("configs/debug/qwen3_fsdp.toml", tmp_path_factory.mktemp("qwen_seed03"))
+    one, cp = tmp_path_factory.mktemp("qwen_one03"), tmp_path_factory.mktemp("qwen_cp03")
+    train(1, "configs/debug/qwen3_fsdp.toml", one, seed, "--training.local_batch_size", "2")
+    proc = train(2, "configs/debug/qwen3_upipe.toml", cp, seed, "--training.local_batch_size", "2")
+    assert "Converted attention to upipe over a CP mesh of 2 ranks" in proc.stdout + proc.stderr
+    assert_losses_close(losses(cp), losses(one), rtol=1e-5)

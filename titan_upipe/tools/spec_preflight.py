@@ -1,0 +1,77 @@
+"""``python -m titan_upipe.validate X.toml --world-size N`` where the installed TorchTitan's adapter checks a
+job through its door (``load_job.checked_job``: TorchTitan 0.3).
+
+It reads the recipe as the launch does, refuses what the launch would refuse before any process
+group (the recipe's keys and values, the CP layout, what 0.3 does not host yet), judges the job's
+memory with the planner for the device it trains on (``plan.fit``: a GPU of ``PLAN_GPU_GIB`` where
+this machine has none; on the CPU, ``--host-mem`` or the free host memory), and prints the
+resolved layout, as 0.2's validate (``tools.preflight``) does. The job's files (tokenizer, data,
+checkpoints) are 0.2's validate's alone so far. Exit code 0 when the job can run, 1 when it cannot,
+2 on usage errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from titan_upipe.adapter import adapter_module
+from titan_upipe.plan.fit import fit_problem
+from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
+from titan_upipe.plan.spec_input import plan_input_from_spec
+from titan_upipe.spec.units import GIB
+from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
+from titan_upipe.tools.layout_summary import DEVICES, LayoutSummary, available_host_memory, target_device
+
+
+def memory_problem(spec, world_size: int, device: str, host_bytes: float) -> str | None:
+    """The planner's verdict for ``spec`` on ``device`` (``cuda``: a GPU of ``PLAN_GPU_GIB``; ``cpu``:
+    ``host_bytes`` shared by the node's ranks), up to 8 ranks a node."""
+    ranks = min(world_size, 8)
+    machine = (MachineMemory(PLAN_GPU_GIB * GIB, host_bytes, ranks, "cuda") if device == "cuda" else
+               MachineMemory(host_bytes / ranks, host_bytes, ranks, "cpu"))
+    job = replace(plan_input_from_spec(spec, device), gpus_per_node=ranks)
+    try:
+        return fit_problem(job, machine)
+    except ValueError:  # a job the planner does not model: not judged, as the launch does not judge it
+        return None
+
+
+def summary(job, world_size: int, device_text: str) -> LayoutSummary:
+    spec, layout = job.spec, job.spec.layout
+    mode = None if layout.mode is None else layout.mode.value
+    return LayoutSummary(
+        model=job.model_name, flavor=job.flavor, world_size=world_size, n_heads=spec.model.n_heads,
+        n_kv_heads=spec.model.n_kv_heads, cp_mode=mode, cp_degree=layout.cp_degree,
+        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree,
+        heads_per_stage=layout.heads_per_stage if mode == "upipe" else None, seq_len=spec.seq_len,
+        converters=job.converters, device=device_text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ToolParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the TOML file to check")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="ranks the job will run on (default: the product of the configured degrees)")
+    parser.add_argument("--host-mem", type=positive_size, default=None,
+                        help="host memory of a compute node in GiB (default: this machine's available memory)")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
+                             "else cuda for a bf16/fp16 job and cpu for a float32 one)")
+    args, overrides = parser.parse_known_args(argv)
+    argv = ["--job.config_file", args.config, *overrides]
+    door = adapter_module("load_job")
+    try:
+        job = door.checked_job(argv, args.world_size)
+    except ValueError as err:  # ConfigError included
+        print(f"{args.config}: 1 problem(s):\n  - {err}")
+        return 1
+    world_size = job.spec.world_size
+    device, why = target_device(job.spec.param_dtype, args.device)
+    host = args.host_mem * GIB if args.host_mem is not None else float(available_host_memory() or 0)
+    if problem := memory_problem(job.spec, world_size, device, host):
+        print(f"{args.config}: 1 problem(s) for {world_size} ranks:\n  - {problem}")
+        return 1
+    print(f"{args.config}: OK for {world_size} ranks")
+    for line in summary(job, world_size, f"{device} ({why})").lines():
+        print(f"  {line}")
+    return 0

@@ -1,0 +1,53 @@
+"""The plugin's datasets on TorchTitan 0.3: one global stream split by data-parallel rank
+(``titan_upipe.data.global_batch``) as 0.3's dataloader configurable.
+
+================== =============================================================================
+``dataset``        stream
+================== =============================================================================
+``synthetic_copy`` ``SyntheticCopyStream`` (the embedded tokenizer's ids: no files)
+``synthetic_docs`` the same, packed documents (each ends with EOS)
+================== =============================================================================
+
+The trainer builds a loader with ``dp_world_size``, ``dp_rank``, ``seq_len`` and
+``local_batch_size``; the checkpoint holds the one global cursor (the same keys as on 0.2), so a
+job resumes under another data-parallel or CP layout. The batches carry no ``positions``: the
+converted attention derives each shard's positions from the layout (and from the documents'
+EOS tokens where the flavor packs documents), as on 0.2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan.components.dataloader import BaseDataLoader
+
+from titan_upipe.data.global_batch import GlobalBatches
+from titan_upipe.data.synthetic import SAMPLES, SYNTHETIC_DATASETS, SyntheticCopyStream
+from titan_upipe.errors import ConfigError, with_suggestion
+
+DATASETS = SYNTHETIC_DATASETS
+"""The ``training.dataset`` values the plugin reads on TorchTitan 0.3 (``local_text``: issue 44)."""
+
+
+def check_dataset(name: str) -> str:
+    if name not in DATASETS:
+        raise ConfigError(with_suggestion(f"training.dataset = {name!r} is not read by titan_upipe on TorchTitan 0.3 "
+                                          f"yet: valid values are {', '.join(DATASETS)} (TorchTitan 0.2.2 reads "
+                                          "local_text and the HF datasets)", name, DATASETS))
+    return name
+
+
+class GlobalBatchDataLoader(GlobalBatches, BaseDataLoader):
+    """This data-parallel rank's ``({"input": [B, S]}, labels [B, S])`` batches of one global stream."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        dataset: str = "synthetic_copy"
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int,
+                 tokenizer=None, snapshot_every_n_steps: int | None = None, seed: int | None = None) -> None:
+        del tokenizer, snapshot_every_n_steps  # the synthetic ids need no tokenizer; the cursor is tiny
+        sample = SAMPLES[check_dataset(config.dataset)]
+        stream = (SyntheticCopyStream(seq_len, sample=sample) if seed is None else
+                  SyntheticCopyStream(seq_len, seed=seed, sample=sample))
+        GlobalBatches.__init__(self, stream, local_batch_size, dp_rank, dp_world_size)

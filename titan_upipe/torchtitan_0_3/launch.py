@@ -1,0 +1,114 @@
+"""``python -m titan_upipe.train`` on TorchTitan 0.3: a TOML recipe and its flags to a running trainer.
+
+1. The recipe becomes a ``Trainer.Config`` and the plugin's sections (``recipe.load_recipe``), and
+   the job its ``JobSpec`` (``job_spec``).
+2. :func:`check_hosted` refuses, before any process group, what 0.3 does not host yet, by name.
+3. :func:`training_config` sets what the plugin's jobs need of 0.3 (table) and
+   ``trainer.ContextParallelTrainer`` runs it.
+
+=========================== ===================================================================
+setting                     why
+=========================== ===================================================================
+``spmd_backend``            ``"partial_dtensor"``: plain tensors in the model (the CP attention
+                            runs its own collectives) and the ``fsdp`` mesh over ``dp x cp``
+``disable_cuda_graphs``     true: the attention's collectives and host checks are not capturable
+``dataloader``              the plugin's global-batch loader (``data``), the recipe's dataset
+``hf_assets_path``          the embedded tokenizer for the synthetic datasets
+``loss``                    cross-entropy over the whole logits (0.2's loss; 0.3's default
+                            configs chunk it)
+``model_spec``              separate Q/K/V under a CP mode (``flavors.with_separate_qkv``)
+=========================== ===================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.tools.logging import init_logger
+
+from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
+from titan_upipe.data.tokenizer import embedded_tokenizer_dir
+from titan_upipe.errors import ConfigError, exit_once
+from titan_upipe.spec.cp_layout import CPMode
+from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.torchtitan_0_3 import torch_compat
+from titan_upipe.torchtitan_0_3.data import GlobalBatchDataLoader, check_dataset
+from titan_upipe.torchtitan_0_3.flavors import with_separate_qkv
+from titan_upipe.torchtitan_0_3.job_spec import job_spec
+from titan_upipe.torchtitan_0_3.model_classes import register_model_classes
+from titan_upipe.torchtitan_0_3.recipe import Recipe, load_recipe
+from titan_upipe.torchtitan_0_3.trainer import ContextParallelTrainer, Launch
+from titan_upipe.torchtitan_common import cpu_runtime
+
+NOT_HOSTED_YET = {
+    "tiled_mlp": "the tiled MLP", "tiled_rmsnorm": "the tiled RMSNorm", "fused_rope": "fused RoPE",
+    "fused_ce": "the fused linear + cross-entropy", "tsp": "TSP",
+}
+"""``model.converters`` that run on TorchTitan 0.2.2 only so far (issue 44)."""
+
+
+def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
+    """ConfigError naming the first setting of the job that TorchTitan 0.3 does not host yet."""
+    for name in recipe.converters:
+        if name in NOT_HOSTED_YET:
+            raise ConfigError(f"model.converters = [{name!r}] ({NOT_HOSTED_YET[name]}) is not run on TorchTitan 0.3 yet: "
+                              f"valid converters on 0.3 are {', '.join(m.value for m in CPMode if m is not CPMode.TSP)}; "
+                              "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+    unhosted = {"activation_checkpoint.cpu_offload": spec.cpu_offload,
+                "activation_checkpoint.keep_attention": spec.keep_attention != "off",
+                "optimizer.state_on_host": spec.optimizer_state_on_host}
+    for key, set_ in unhosted.items():
+        if set_:
+            raise ConfigError(f"{key} is not run on TorchTitan 0.3 yet: valid values there are its default (off); "
+                              "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+    check_dataset(recipe.trainer.dataloader.dataset)
+
+
+def training_config(recipe: Recipe, spec: JobSpec):
+    """The recipe's ``Trainer.Config`` with what the plugin's jobs need of 0.3 (module table)."""
+    trainer = recipe.trainer
+    trainer.parallelism.spmd_backend = "partial_dtensor"
+    trainer.training.disable_cuda_graphs = True
+    dataset = trainer.dataloader.dataset
+    trainer.dataloader = GlobalBatchDataLoader.Config(dataset=dataset)
+    if dataset in SYNTHETIC_DATASETS:
+        trainer.hf_assets_path = embedded_tokenizer_dir()
+    trainer.loss = CrossEntropyLoss.Config()
+    if spec.layout.mode is not None:
+        with_separate_qkv(trainer.model_spec.model)
+    return trainer
+
+
+def build_trainer(argv: list[str]) -> ContextParallelTrainer:
+    """The trainer of a recipe's job on this launch's ranks (``WORLD_SIZE``)."""
+    recipe = load_recipe(argv, quiet=False)
+    spec = job_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    check_hosted(recipe, spec)
+    cpu_runtime.activate()  # TorchTitan picks CUDA at import; on a machine without one, the CPU and gloo
+    torch_compat.activate()  # TorchTitan 0.3.0 calls a torch function 2.11 and 2.13 lack
+    register_model_classes()
+    config = training_config(recipe, spec)
+    return ContextParallelTrainer(config, Launch(spec, TORCH_DTYPE_MAP[spec.param_dtype]))
+
+
+def train_main(argv: list[str] | None = None) -> None:
+    """``python -m titan_upipe.train`` on 0.3: a wrong setting exits with one line (status 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    init_logger()
+    try:
+        trainer = build_trainer(argv)
+    except ConfigError as error:
+        raise exit_once("titan_upipe.train", str(error)) from None
+    try:
+        if trainer.config.checkpoint.create_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,75 @@
+"""TorchTitan 0.3's decoders, described for the core (``titan_upipe.attention.model_protocol``).
+
+0.3's Llama3 and Qwen3 share one attention class, ``GQAttention``, and one feed-forward,
+``FeedForward``; what tells them apart for the core is the RoPE each attention owns. So 0.3 is
+one family record, :data:`DECODERS`, whose RoPE kind is read off each attention:
+
+=========================== ============================================= =========================
+the core needs              0.2.2 (``torchtitan_0_2.model_classes``)      0.3 (here)
+=========================== ============================================= =========================
+``wq``, ``wk``, ``wv``      on the attention                              in ``qkv_linear`` (the
+                                                                          unfused ``QKVLinear``)
+the RoPE table              the model's ``freqs_cis`` / ``rope_cache``,   each attention's
+                            passed to every block                         ``rope.cache``
+RoPE kind                   per family                                    ``ComplexRoPE`` -> Llama3's
+                                                                          complex table, ``CosSinRoPE``
+                                                                          -> Qwen3's cos||sin one
+forward                     ``(x, freqs_cis, masks, positions)``          ``(x, masks, positions)``
+=========================== ============================================= =========================
+
+The converted attention (:class:`ContextParallelGQAttention`) keeps ``qkv_linear``, ``wo``, the QK
+norms and ``rope`` as its own children, so parameter names, state dicts, FSDP units and 0.3's
+``init_states`` (which recomputes ``rope.cache`` after ``to_empty``) are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Decoder, FeedForward, TransformerBlock
+from torchtitan.models.common.attention import GQAttention
+
+from titan_upipe.attention.keep import KeptAttention
+from titan_upipe.attention.model_protocol import MODEL_CLASSES, ModelClasses, ModelFamily
+from titan_upipe.attention.module import ContextParallelAttention
+from titan_upipe.attention.projection import RotaryKind
+from titan_upipe.errors import ConfigError
+
+Tensor = torch.Tensor
+
+ROPE_KINDS = {ComplexRoPE: RotaryKind.COMPLEX, CosSinRoPE: RotaryKind.COS_SIN}
+
+
+class ContextParallelGQAttention(ContextParallelAttention):
+    """The core's CP attention with 0.3's forward signature: the RoPE table is the module's own
+    ``rope.cache`` (``[S, D/2]`` complex or ``[S, 2D]`` cos||sin, for the global positions)."""
+
+    def forward(self, x: Tensor, attention_masks: object, positions: Tensor | None = None,  # type: ignore[override]
+                kept: KeptAttention | None = None) -> Tensor:
+        return super().forward(x, self.rope.cache, attention_masks, positions, kept)
+
+
+def rotary_of(attention: nn.Module) -> RotaryKind:
+    rope = type(attention.rope)
+    kind = next((kind for cls, kind in ROPE_KINDS.items() if issubclass(rope, cls)), None)
+    if kind is None:
+        raise ConfigError(f"context-parallel attention runs RoPE of kinds {', '.join(c.__name__ for c in ROPE_KINDS)}; "
+                          f"this attention's is {rope.__name__}")
+    return kind
+
+
+def attention_scale(attention: nn.Module) -> float:
+    # ``scaling`` is None where the head dim is dim / heads: SDPA's default, 1/sqrt(D).
+    return attention.scaling if attention.scaling is not None else attention.head_dim**-0.5
+
+
+DECODERS = ModelFamily(
+    name="Llama3 and Qwen3 (TorchTitan 0.3)", model=Decoder, block=TransformerBlock, attention=GQAttention,
+    feed_forward=FeedForward, rotary=rotary_of, attention_scale=attention_scale,
+    projection_paths=("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv", "wo"), kept_children=("rope",),
+    converted_attention=ContextParallelGQAttention)
+
+
+def register_model_classes(classes: ModelClasses = MODEL_CLASSES) -> None:
+    """Register 0.3's decoders with the core (again: nothing changes)."""
+    classes.register(DECODERS)

@@ -1,0 +1,65 @@
+"""The plugin's ``parallelize_fn`` on TorchTitan 0.3: context-parallel attention, then 0.3's own AC and FSDP.
+
+0.3 calls ``ModelSpec.parallelize_fn(model, *, parallel_dims, training, parallelism,
+compile_config, ac_config, dump_folder)`` on the meta-device model, after its Module-protocol
+check and before ``init_states``; the launch binds ``launch`` (the job's spec and CP mesh,
+``trainer.Launch``) with a ``partial``. Order:
+
+1. **CP attention** (``ulysses``, ``upipe``, ``ring``, ``usp``): every block's ``GQAttention``
+   becomes ``model_classes.ContextParallelGQAttention`` over the launch's CP mesh (the same
+   parameters and names), and a forward pre-hook checks the inputs arrive in its layout
+   (``parallel.inputs.LayoutCheck``). Unlike 0.3's own CP (a K/V all-gather around the inner
+   attention), nothing of TorchTitan's CP runs.
+2. **AC**: ``ac_config`` (0.3's FullAC / per-op SelectiveAC) wraps every block.
+3. **FSDP** over ``dp_shard x cp`` (``fsdp``; with ``dp_replicate`` when set), 0.3's
+   ``apply_fsdp_to_decoder``, which sums gradients (the loss is already divided by the global
+   valid-token count).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+from titan_upipe.attention.module import convert_attention_of_blocks
+from titan_upipe.errors import ConfigError
+from titan_upipe.parallel.inputs import LayoutCheck
+from titan_upipe.torchtitan_common import cpu_runtime
+
+logger = logging.getLogger()
+
+
+def convert_cp_attention(model, launch) -> None:
+    """Every block's attention as the launch's CP attention (``launch.spec.layout``: mode, U)."""
+    layout = launch.spec.layout
+    blocks = list(model.layers.values())
+    converted = convert_attention_of_blocks([block.attention for block in blocks], layout.mode.value, launch.cp_mesh,
+                                            layout.heads_per_stage, launch.spec.attention_backend,
+                                            compute_dtype=launch.compute_dtype)
+    for block, attention in zip(blocks, converted, strict=True):
+        block.attention = attention
+    model.register_forward_pre_hook(LayoutCheck(launch.cp_mesh), with_kwargs=True)
+    logger.info("Converted attention to %s over a CP mesh of %d ranks (%s), backend %s", layout.mode.value,
+                launch.cp_mesh.size(), dict(zip(launch.cp_mesh.mesh_dim_names or (), launch.cp_mesh.shape,
+                                                strict=True)), converted[0].backend.name)
+
+
+def parallelize(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder, launch):
+    """0.3's ``parallelize_fn`` for the plugin's jobs (module docstring)."""
+    if compile_config.enable:
+        raise ConfigError("compile.enable is not run by titan_upipe on TorchTitan 0.3 yet: valid values are false")
+    if launch.cp_mesh is not None:
+        convert_cp_attention(model, launch)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    apply_fsdp_to_decoder(model, parallel_dims.get_mesh(names),
+                          param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+                          reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+                          pp_enabled=parallel_dims.pp_enabled, cpu_offload=training.enable_cpu_offload,
+                          reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward)
+    if cpu_runtime.is_active():
+        cpu_runtime.force_sum_reductions(model)  # gloo has no PREMUL_SUM: the same sums
+    return model

@@ -1,0 +1,128 @@
+"""TorchTitan 0.3's ``Trainer`` with the plugin's CP inputs, parallelize and counters.
+
+* **The launch's one job** (:class:`Launch`): the JobSpec, the CP mesh built from TorchTitan's
+  ``cp`` mesh and the spec's layout once (``init_distributed``), and the attention's compute dtype.
+  ``parallelize`` and the input sharding read that one mesh.
+* **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
+  attention's layout (``parallel.inputs.prepare_cp_batch``: contiguous for Ulysses/UPipe, zigzag
+  over a ring), not 0.3's head-tail one; the positions go to the model, whose attention indexes
+  its RoPE table with them.
+* **Counters**, for ``D`` data-parallel batches of ``N_d`` valid tokens, CP rank ``c`` holding the
+  loss sum ``L_{d,c}`` of its share of batch ``d`` (0.3's loss returns ``L_{d,c} / Σ_d N_d``):
+
+  =========================== ==============================================================
+  ``loss_metrics/global_avg`` ``Σ_{d,c} L_{d,c} / Σ_d N_d`` (the single-device mean)
+  ``loss_metrics/global_max`` ``max_d Σ_c L_{d,c} / N_d`` (0.3's own takes the max over the CP
+                              shares as well, which is about the mean / C)
+  ``n_tokens_seen``           the global batch's tokens of every step so far, the same number on
+                              every rank (a checkpoint resumes under any layout)
+  ``throughput(tps)``         0.3's: the rank's whole batch / (time x C), per device
+  =========================== ==============================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.trainer import Trainer
+
+from titan_upipe.parallel.inputs import prepare_cp_batch, valid_tokens
+from titan_upipe.parallel.mesh import layout_mesh
+from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.torchtitan_0_3.parallelize import parallelize
+
+
+@dataclass
+class Launch:
+    """One launch's job: what it is and where its sequence runs."""
+
+    spec: JobSpec
+    compute_dtype: torch.dtype
+    """The attention inputs' dtype (FSDP's parameter dtype)."""
+    cp_mesh: DeviceMesh | None = None
+    """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
+    process groups exist; None without CP."""
+
+
+class ContextParallelTrainer(Trainer):
+    """0.3's trainer for the plugin's jobs (module docstring)."""
+
+    def __init__(self, config: Trainer.Config, launch: Launch) -> None:
+        self.launch = launch
+        config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
+        super().__init__(config)
+
+    def init_distributed(self):
+        parallel_dims = super().init_distributed()
+        titan_cp_mesh = parallel_dims.get_optional_mesh("cp")
+        if titan_cp_mesh is not None and self.launch.spec.layout.mode is not None:
+            self.launch.cp_mesh = layout_mesh(titan_cp_mesh, self.launch.spec.layout)
+        return parallel_dims
+
+    @property
+    def data_parallel_degree(self) -> int:
+        return self.parallel_dims.dp_replicate * self.parallel_dims.dp_shard
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        extra = {key: value for key, value in input_dict.items() if key != "input"}
+        if self.launch.cp_mesh is None:
+            return input_dict["input"], labels, extra
+        spec = self.launch.spec
+        batch = prepare_cp_batch(input_dict["input"], labels, self.launch.cp_mesh, eos_id=None,
+                                 ignore_index=IGNORE_INDEX, document_balance=spec.document_balance,
+                                 document_min_split=spec.document_min_split)
+        return batch.tokens, batch.labels, {**extra, **batch.model_kwargs()}
+
+    def train_step(self, data_iterator) -> None:
+        """One optimizer step over ``gradient_accumulation_steps`` microbatches, losses over the
+        global valid-token count; logs the counters of the module docstring."""
+        self.optimizers.zero_grad()
+        lr_metrics = self.lr_schedulers.get_metrics()
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        # N_d: this rank's data-parallel batch, whole (counted before CP sharding).
+        batch_valid = torch.stack([valid_tokens(labels, IGNORE_INDEX) for _, labels in microbatches]).sum()
+        batch_valid = batch_valid.to(self.device)
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        global_valid = batch_valid if batch_mesh is None else dist_utils.dist_sum_tensor(batch_valid, batch_mesh)
+        self.ntokens_seen += sum(labels.numel() for _, labels in microbatches) * self.data_parallel_degree
+
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+                                              global_valid_tokens=global_valid)
+            losses.append(loss.detach())
+
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
+            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        if not self.metrics_processor.should_log(self.step):
+            return
+        avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
+        self.metrics_processor.log(self.step, avg_loss, max_loss, float(grad_norm.item()),
+                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
+
+    def _reduce_losses(self, loss: torch.Tensor, global_valid: torch.Tensor, batch_valid: torch.Tensor
+                       ) -> tuple[float, float]:
+        """(global mean, max over data-parallel batches of the batch mean) from this rank's
+        ``loss = L_{d,c} / Σ_d N_d``."""
+        batch_loss = loss
+        if self.parallel_dims.cp_enabled:
+            batch_loss = dist_utils.dist_sum_tensor(loss, self.parallel_dims.get_mesh("cp"))
+        batch_mean = batch_loss * global_valid / batch_valid
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+        if loss_mesh is None:
+            return loss.item(), batch_mean.item()
+        # Every CP rank of a batch holds the same batch mean: the max over the loss mesh is over batches.
+        return dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(batch_mean, loss_mesh)
