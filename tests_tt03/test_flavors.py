@@ -94,3 +94,29 @@ def test_every_command_the_0_3_adapter_runs_resolves_here():
         assert adapter.require_command(command) == entry
         module, function = entry.split(":")
         assert callable(getattr(importlib.import_module(module), function)), entry
+
+
+def test_separate_qkv_draws_the_fused_projections_weights():
+    """``with_separate_qkv`` (what a CP job builds from TorchTitan's fused flavors) initialises wq/wk/wv with
+    the very values the fused ``wqkv`` gets under the same seed: its checkpoint keys are the same too."""
+    import torch
+
+    from titan_upipe.torchtitan_0_3.flavors import model_spec, with_separate_qkv
+
+    def built(separate: bool):
+        config = model_spec("llama3", "debugmodel").model
+        if separate:
+            with_separate_qkv(config)
+        with torch.device("meta"):
+            model = config.build()
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        return model.state_dict()
+
+    fused, separate = built(False), built(True)
+    keys = [k for k in separate if ".qkv_linear." in k]
+    assert keys and set(separate) == set(fused)
+    for key in keys:
+        assert torch.equal(separate[key], fused[key]), key

@@ -93,6 +93,9 @@ class PlanInput:
     tiled_rmsnorm: bool = True
     fused_rope: bool = True
     fused_ce: bool = True
+    rope_tables: int = 1
+    """Full-length RoPE tables a rank holds without ``fused_rope``: TorchTitan 0.2's model has one,
+    0.3's one per attention (``JobSpec.rope_tables``)."""
     mlp_tile_tokens: int = 0
     rmsnorm_tile_tokens: int = 0
     ce_chunk_tokens: int = 0

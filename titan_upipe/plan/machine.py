@@ -1,6 +1,6 @@
 """What a node offers a job's ranks (``MachineMemory``), and what of its host memory kept attention
 may fill: plain values, read by the planner's sizing; detecting them on this machine (torch's CUDA
-queries, ``/proc``) is the adapter's (``torchtitan_0_2.job_plan.machine_memory_here``)."""
+queries, ``/proc``) is the adapters' (``torchtitan_common.machine.machine_memory_here``)."""
 
 from __future__ import annotations
 

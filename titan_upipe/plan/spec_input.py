@@ -45,7 +45,7 @@ def plan_input_from_spec(spec: JobSpec, device: str | None = None) -> PlanInput:
         world_size=spec.world_size, param_bytes=DTYPE_BYTES[spec.param_dtype],
         reduce_bytes=DTYPE_BYTES[spec.reduce_dtype],
         tiled_mlp=spec.tiled_mlp, tiled_rmsnorm=spec.tiled_rmsnorm, fused_rope=spec.fused_rope,
-        fused_ce=spec.fused_ce, mlp_tile_tokens=spec.mlp_tile_tokens,
+        fused_ce=spec.fused_ce, rope_tables=spec.rope_tables, mlp_tile_tokens=spec.mlp_tile_tokens,
         rmsnorm_tile_tokens=spec.rmsnorm_tile_tokens, ce_chunk_tokens=spec.ce_chunk_tokens, ce_backend=ce_backend,
         ac_mode=planned_ac_mode(spec),
         attention_backend=PLAN_AUTO_BACKEND if spec.attention_backend == "auto" else spec.attention_backend,

@@ -73,8 +73,8 @@ def rope_terms(s: StepSizes) -> Terms:
         # inverse frequencies + the rows of this rank's positions, built each forward and
         # kept (in the blocks' arguments) until backward
         return {Term.ROPE_ROWS: job.local_len * per_row + 2 * m.head_dim}
-    # TorchTitan's model buffer: one row per position of the whole sequence, on every rank
-    return {Term.ROPE_TABLE: job.seq_len * per_row}
+    # TorchTitan's buffers: one row per position of the whole sequence, on every rank (0.3: in every attention)
+    return {Term.ROPE_TABLE: job.seq_len * per_row * job.rope_tables}
 
 
 def grad_shards(s: StepSizes, group_params: int) -> int:

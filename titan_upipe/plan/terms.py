@@ -25,7 +25,7 @@ class Term(Enum):
     GRAD_SHARDS = "gradients (fp32 shards reduced so far)"
     TOKENS = "token ids, labels, positions (int64)"
     ROPE_ROWS = "RoPE rows of this rank's positions (fused_rope)"
-    ROPE_TABLE = "RoPE table, full length (no fused_rope)"
+    ROPE_TABLE = "RoPE table(s), full length (no fused_rope)"
     ADAMW_TEMP = "AdamW foreach temporary (sqrt(exp_avg_sq), fp32 shards)"
     ADAMW_WORK = "AdamW moments on host: device work buffers exp_avg, exp_avg_sq (largest shard)"
     ADAMW_TEMP_LARGEST = "AdamW foreach temporary of one parameter (sqrt(exp_avg_sq), largest shard)"

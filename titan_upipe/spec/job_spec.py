@@ -54,6 +54,9 @@ class JobSpec:
     tiled_rmsnorm: bool = False
     fused_rope: bool = False
     fused_ce: bool = False
+    rope_tables: int = 1
+    """Full-length RoPE tables a rank holds without ``fused_rope``: 1 on TorchTitan 0.2 (the model's
+    buffer), the number of blocks on 0.3 (each attention's ``rope.cache``)."""
     mlp_tile_tokens: int = 0
     rmsnorm_tile_tokens: int = 0
     ce_chunk_tokens: int = 0

@@ -3,16 +3,12 @@ machine's memory, and the sizing of ``keep_attention = "auto"`` left on the job 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-
-import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job import PlanInput
 from titan_upipe.plan.machine import (
     MachineMemory,
-    cgroup_memory_limit,
     checkpoint_staging_bytes,
     keep_host_budget,
 )
@@ -28,6 +24,9 @@ from titan_upipe.torchtitan_0_2.checks.keep_attention import (
     set_keep_attention_plan,
 )
 from titan_upipe.torchtitan_0_2.job_spec import job_spec, writes_async_checkpoints
+from titan_upipe.torchtitan_common.machine import machine_memory_here, this_gpu_bytes
+
+__all__ = ["machine_memory_here", "this_gpu_bytes"]  # where the tools have read them
 
 
 def plan_input_from_job_config(job_config, world_size: int | None = None, device: str | None = None) -> PlanInput:
@@ -43,21 +42,6 @@ def plan_from_job_config(job_config, world_size: int | None = None, device: str 
 def async_checkpoint_staging_bytes(job_config, job: PlanInput) -> int:
     """Host bytes one node's async checkpoint stages (``plan.machine.checkpoint_staging_bytes``)."""
     return checkpoint_staging_bytes(writes_async_checkpoints(job_config), job)
-
-
-def this_gpu_bytes() -> float:
-    """Total memory of this rank's GPU (``LOCAL_RANK``)."""
-    return float(torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory)
-
-
-def machine_memory_here(world_size: int) -> MachineMemory:
-    """This machine's: the CUDA device of ``LOCAL_RANK`` (its total memory: every GPU of a job is
-    taken to be alike) or, without one, the host's memory split over the node's ranks."""
-    host = float(min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), cgroup_memory_limit()))
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    if torch.cuda.is_available():
-        return MachineMemory(this_gpu_bytes(), host, ranks, "cuda")
-    return MachineMemory(host / max(ranks, 1), host, ranks, "cpu")
 
 
 def size_keep_attention_of_job(job_config, world_size: int, machine: MachineMemory | None = None

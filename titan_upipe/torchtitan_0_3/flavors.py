@@ -99,9 +99,10 @@ def _normal(std: float, truncated: bool) -> dict:
 
 
 def debug_model(model_name: str, flavor: str):
-    """A plugin debug flavor as a 0.3 model config: 0.2's shape (``torchtitan_0_2.flavors``), separate
-    Q/K/V, SDPA. Llama3: complex RoPE (theta 5e5), truncated-normal init; Qwen3: QK norms, cos||sin
-    RoPE (theta 1e6), normal init."""
+    """A plugin debug flavor as a 0.3 model config: 0.2's model (``torchtitan_0_2.flavors``: the same
+    shapes, norms and RoPE, so a 0.2 checkpoint gives the same losses), separate Q/K/V, SDPA. Llama3:
+    complex RoPE (theta 5e5, Llama 3.1 scaling), norm eps 1e-5, truncated-normal init; Qwen3: QK norms,
+    cos||sin RoPE (theta 1e6), eps 1e-6, normal init."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -113,9 +114,9 @@ def debug_model(model_name: str, flavor: str):
     model_class = family.Qwen3Model if qwen else family.Llama3Model
     block_class = family.model.Qwen3TransformerBlock if qwen else family.model.Llama3TransformerBlock
     linear = _normal(0.02, truncated=not qwen)
-    norm = partial(RMSNorm.Config, eps=1e-6, param_init={"weight": nn.init.ones_})
+    norm = partial(RMSNorm.Config, eps=1e-6 if qwen else 1e-5, param_init={"weight": nn.init.ones_})
     rope = (CosSinRoPE.Config(dim=head_dim, max_seq_len=8192, theta=1e6) if qwen else
-            ComplexRoPE.Config(dim=head_dim, max_seq_len=8192, theta=5e5))
+            ComplexRoPE.Config(dim=head_dim, max_seq_len=8192, theta=5e5, scaling="llama"))
     hidden = 384 if qwen else compute_ffn_hidden_dim(dim, multiple_of=64)
     layers = [block_class.Config(
         attention_norm=norm(normalized_shape=dim), ffn_norm=norm(normalized_shape=dim),

@@ -38,7 +38,7 @@ def job_spec(recipe: Recipe, world_size: int | None = None) -> JobSpec:
     return JobSpec(
         model=model, seq_len=trainer.training.seq_len, local_batch=trainer.training.local_batch_size,
         world_size=degrees_world_size(trainer.parallelism) if world_size is None else world_size,
-        layout=recipe_layout(recipe), documents=False,
+        layout=recipe_layout(recipe), documents=False, rope_tables=model.n_layers,
         param_dtype=trainer.training.mixed_precision_param, reduce_dtype=trainer.training.mixed_precision_reduce,
         keep_attention=where, keep_attention_blocks=blocks, keep_plan=stated_plan(where, blocks),
         async_checkpoint=writes_async_checkpoints(checkpoint.enable, checkpoint.async_mode),

@@ -2,7 +2,8 @@
 
 1. The recipe becomes a ``Trainer.Config`` and the plugin's sections (``recipe.load_recipe``), and
    the job its ``JobSpec`` (``job_spec``).
-2. :func:`check_hosted` refuses, before any process group, what 0.3 does not host yet, by name.
+2. :func:`check_hosted` refuses, before any process group, what 0.3 does not host yet, by name;
+   ``prepare.prepare_job`` sizes ``keep_attention = "auto"`` and refuses a job that does not fit.
 3. :func:`training_config` sets what the plugin's jobs need of 0.3 (table) and
    ``trainer.ContextParallelTrainer`` runs it.
 
@@ -14,8 +15,8 @@ setting                     why
 ``disable_cuda_graphs``     true: the attention's collectives and host checks are not capturable
 ``dataloader``              the plugin's global-batch loader (``data``), the recipe's dataset
 ``hf_assets_path``          the embedded tokenizer for the synthetic datasets
-``loss``                    cross-entropy over the whole logits (0.2's loss; 0.3's default
-                            configs chunk it)
+``loss``                    cross-entropy over the whole logits (0.2's loss), chunked under
+                            ``fused_ce`` (``transforms.loss_config``)
 ``model_spec``              separate Q/K/V under a CP mode (``flavors.with_separate_qkv``)
 =========================== ===================================================================
 """
@@ -26,7 +27,6 @@ import os
 import sys
 
 import torch
-from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import init_logger
 
@@ -36,18 +36,18 @@ from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.spec.cp_layout import CPMode
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3 import torch_compat
+from titan_upipe.torchtitan_0_3.checkpoints import check_checkpoint_version
 from titan_upipe.torchtitan_0_3.data import GlobalBatchDataLoader, check_dataset
 from titan_upipe.torchtitan_0_3.flavors import with_separate_qkv
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.model_classes import register_model_classes
+from titan_upipe.torchtitan_0_3.prepare import prepare_job
 from titan_upipe.torchtitan_0_3.recipe import Recipe, load_recipe
 from titan_upipe.torchtitan_0_3.trainer import ContextParallelTrainer, Launch
+from titan_upipe.torchtitan_0_3.transforms import loss_config
 from titan_upipe.torchtitan_common import cpu_runtime
 
-NOT_HOSTED_YET = {
-    "tiled_mlp": "the tiled MLP", "tiled_rmsnorm": "the tiled RMSNorm", "fused_rope": "fused RoPE",
-    "fused_ce": "the fused linear + cross-entropy", "tsp": "TSP",
-}
+NOT_HOSTED_YET = {"tsp": "TSP"}
 """``model.converters`` that run on TorchTitan 0.2.2 only so far (issue 44)."""
 
 
@@ -58,14 +58,15 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
             raise ConfigError(f"model.converters = [{name!r}] ({NOT_HOSTED_YET[name]}) is not run on TorchTitan 0.3 yet: "
                               f"valid converters on 0.3 are {', '.join(m.value for m in CPMode if m is not CPMode.TSP)}; "
                               "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
-    unhosted = {"activation_checkpoint.cpu_offload": spec.cpu_offload,
-                "activation_checkpoint.keep_attention": spec.keep_attention != "off",
-                "optimizer.state_on_host": spec.optimizer_state_on_host}
-    for key, set_ in unhosted.items():
-        if set_:
-            raise ConfigError(f"{key} is not run on TorchTitan 0.3 yet: valid values there are its default (off); "
-                              "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+    if spec.optimizer_state_on_host:
+        raise ConfigError("optimizer.state_on_host is not run on TorchTitan 0.3 yet: valid values there are false; "
+                          "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+    if spec.keep_attention != "off" and (spec.layout.mode is None or not spec.cpu_offload):
+        raise ConfigError("activation_checkpoint.keep_attention keeps the plugin's context-parallel attention inside "
+                          "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp) and "
+                          "activation_checkpoint.cpu_offload = true; else set keep_attention = \"off\"")
     check_dataset(recipe.trainer.dataloader.dataset)
+    check_checkpoint_version(recipe.trainer)
 
 
 def training_config(recipe: Recipe, spec: JobSpec):
@@ -74,10 +75,12 @@ def training_config(recipe: Recipe, spec: JobSpec):
     trainer.parallelism.spmd_backend = "partial_dtensor"
     trainer.training.disable_cuda_graphs = True
     dataset = trainer.dataloader.dataset
-    trainer.dataloader = GlobalBatchDataLoader.Config(dataset=dataset)
+    local = recipe.plugin["local_data"]
+    trainer.dataloader = GlobalBatchDataLoader.Config(dataset=dataset, paths=list(local.paths), text_key=local.text_key,
+                                                      skip_bad_records=local.skip_bad_records)
     if dataset in SYNTHETIC_DATASETS:
         trainer.hf_assets_path = embedded_tokenizer_dir()
-    trainer.loss = CrossEntropyLoss.Config()
+    trainer.loss = loss_config(spec)
     if spec.layout.mode is not None:
         with_separate_qkv(trainer.model_spec.model)
     return trainer
@@ -85,9 +88,10 @@ def training_config(recipe: Recipe, spec: JobSpec):
 
 def build_trainer(argv: list[str]) -> ContextParallelTrainer:
     """The trainer of a recipe's job on this launch's ranks (``WORLD_SIZE``)."""
-    recipe = load_recipe(argv, quiet=False)
+    recipe = load_recipe(argv)
     spec = job_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     check_hosted(recipe, spec)
+    spec = prepare_job(spec)  # kept attention sized for this machine, the memory guard
     cpu_runtime.activate()  # TorchTitan picks CUDA at import; on a machine without one, the CPU and gloo
     torch_compat.activate()  # TorchTitan 0.3.0 calls a torch function 2.11 and 2.13 lack
     register_model_classes()

@@ -34,18 +34,56 @@ from titan_upipe.attention.model_protocol import MODEL_CLASSES, ModelClasses, Mo
 from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.attention.projection import RotaryKind
 from titan_upipe.errors import ConfigError
+from titan_upipe.transforms.rope import inverse_frequencies, local_rope_inputs
 
 Tensor = torch.Tensor
 
 ROPE_KINDS = {ComplexRoPE: RotaryKind.COMPLEX, CosSinRoPE: RotaryKind.COS_SIN}
 
 
+class CompactRoPE:
+    """A 0.3 RoPE whose ``cache`` holds the fp32 inverse frequencies ``[D/2]`` only (``fused_rope``): the
+    attention builds the rows of its batch's positions each forward (``transforms.rope``), never a
+    full-length table per layer. Mixed into 0.3's RoPE classes, so that 0.3's init (``init_states``
+    recomputes ``cache`` through ``_precompute_cache``) builds the compact form."""
+
+    def _precompute_cache(self) -> Tensor:
+        cfg = self.config
+        if cfg.scaling not in ("none", "llama"):
+            raise ConfigError(f"fused_rope computes RoPE rows with no scaling or Llama 3.1's; this RoPE's scaling is "
+                              f"{cfg.scaling!r}: drop fused_rope")
+        scaling = cfg if cfg.scaling == "llama" else None  # its fields are Llama 3.1's scaling arguments
+        return inverse_frequencies(self.kind, cfg.dim, cfg.theta, scaling)
+
+
+class CompactComplexRoPE(CompactRoPE, ComplexRoPE):
+    kind = RotaryKind.COMPLEX
+
+
+class CompactCosSinRoPE(CompactRoPE, CosSinRoPE):
+    kind = RotaryKind.COS_SIN
+
+
+COMPACT_ROPE = {ComplexRoPE: CompactComplexRoPE, CosSinRoPE: CompactCosSinRoPE}
+
+
+def compact_rope(rope: nn.Module) -> nn.Module:
+    """``rope`` switched to its compact class (its config and FQN unchanged; the buffer is rebuilt at init)."""
+    rope.__class__ = COMPACT_ROPE[type(rope)]
+    return rope
+
+
 class ContextParallelGQAttention(ContextParallelAttention):
     """The core's CP attention with 0.3's forward signature: the RoPE table is the module's own
-    ``rope.cache`` (``[S, D/2]`` complex or ``[S, 2D]`` cos||sin, for the global positions)."""
+    ``rope.cache`` (``[S, D/2]`` complex or ``[S, 2D]`` cos||sin, for the global positions), or, with
+    a compact RoPE, the rows of this call's positions built from its inverse frequencies."""
 
     def forward(self, x: Tensor, attention_masks: object, positions: Tensor | None = None,  # type: ignore[override]
                 kept: KeptAttention | None = None) -> Tensor:
+        if isinstance(self.rope, CompactRoPE):
+            positions = positions if positions is not None else self._local_positions(x, None)
+            table, rows = local_rope_inputs(self.rope.cache, self.spec.rotary, x[..., 0], positions)  # [B, L]
+            return super().forward(x, table, attention_masks, rows, kept)
         return super().forward(x, self.rope.cache, attention_masks, positions, kept)
 
 

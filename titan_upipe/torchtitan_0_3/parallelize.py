@@ -10,8 +10,10 @@ check and before ``init_states``; the launch binds ``launch`` (the job's spec an
    parameters and names), and a forward pre-hook checks the inputs arrive in its layout
    (``parallel.inputs.LayoutCheck``). Unlike 0.3's own CP (a K/V all-gather around the inner
    attention), nothing of TorchTitan's CP runs.
-2. **AC**: ``ac_config`` (0.3's FullAC / per-op SelectiveAC) wraps every block.
-3. **FSDP** over ``dp_shard x cp`` (``fsdp``; with ``dp_replicate`` when set), 0.3's
+2. **Transforms** (``transforms``): tiled MLP / RMSNorm, in-place RoPE.
+3. **AC**: the core's offloaded checkpointing under ``cpu_offload``, else ``ac_config`` (0.3's FullAC /
+   per-op SelectiveAC) wraps every block.
+4. **FSDP** over ``dp_shard x cp`` (``fsdp``; with ``dp_replicate`` when set), 0.3's
    ``apply_fsdp_to_decoder``, which sums gradients (the loss is already divided by the global
    valid-token count).
 """
@@ -26,6 +28,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from titan_upipe.attention.module import convert_attention_of_blocks
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import LayoutCheck
+from titan_upipe.torchtitan_0_3.transforms import apply_checkpointing, apply_transforms
 from titan_upipe.torchtitan_common import cpu_runtime
 
 logger = logging.getLogger()
@@ -52,8 +55,8 @@ def parallelize(model, *, parallel_dims, training, parallelism, compile_config, 
         raise ConfigError("compile.enable is not run by titan_upipe on TorchTitan 0.3 yet: valid values are false")
     if launch.cp_mesh is not None:
         convert_cp_attention(model, launch)
-    if ac_config is not None:
-        ac_config.build(dump_folder=dump_folder).apply(model)
+    apply_transforms(model, launch.spec)
+    apply_checkpointing(model, launch.spec, ac_config, dump_folder)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     apply_fsdp_to_decoder(model, parallel_dims.get_mesh(names),
                           param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],

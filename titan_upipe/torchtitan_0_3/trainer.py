@@ -79,7 +79,11 @@ class ContextParallelTrainer(Trainer):
         batch = prepare_cp_batch(input_dict["input"], labels, self.launch.cp_mesh, eos_id=None,
                                  ignore_index=IGNORE_INDEX, document_balance=spec.document_balance,
                                  document_min_split=spec.document_min_split)
-        return batch.tokens, batch.labels, {**extra, **batch.model_kwargs()}
+        model_kwargs = batch.model_kwargs()
+        if model_kwargs["positions"].dim() == 1:
+            # 0.3 hands ``positions`` to the loss too, whose chunked form splits every input along dim 1
+            model_kwargs["positions"] = model_kwargs["positions"].expand(batch.tokens.shape[0], -1)
+        return batch.tokens, batch.labels, {**extra, **model_kwargs}
 
     def train_step(self, data_iterator) -> None:
         """One optimizer step over ``gradient_accumulation_steps`` microbatches, losses over the

@@ -29,16 +29,19 @@ def tile_feed_forwards(model: nn.Module, tile_tokens: int) -> int:
     return count
 
 
-def tile_rms_norms(model: nn.Module, tile_tokens: int) -> int:
+def tile_rms_norms(model: nn.Module, tile_tokens: int, norm_class: type[nn.RMSNorm] = nn.RMSNorm,
+                   tiled=TiledRMSNorm) -> int:
     """The d_model-wide norms: each block's ``attention_norm``/``ffn_norm`` and the final ``norm``
-    (per-head q/k norms stay inside the attention)."""
+    (per-head q/k norms stay inside the attention), those of class ``norm_class`` exactly, each replaced
+    by ``tiled(norm, tile_tokens)`` (TorchTitan 0.3's norm, a subclass that its init reaches, has its own:
+    ``torchtitan_0_3.transforms``)."""
     owners = [(block, name) for block in model.layers.values() for name in ("attention_norm", "ffn_norm")]
     owners.append((model, "norm"))
     count = 0
     for owner, name in owners:
         norm = getattr(owner, name, None)
-        if type(norm) is nn.RMSNorm:
-            setattr(owner, name, TiledRMSNorm(norm, tile_tokens))
+        if type(norm) is norm_class:
+            setattr(owner, name, tiled(norm, tile_tokens))
             count += 1
     if count == 0:
         raise ConfigError("tiled_rmsnorm found no nn.RMSNorm to tile: remove it from model.converters")

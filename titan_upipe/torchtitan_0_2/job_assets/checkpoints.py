@@ -16,6 +16,7 @@ import re
 
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, expand_paths
 from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.spec.checkpoint_keys import written_by
 from titan_upipe.torchtitan_0_2.data_builders import PLUGIN_DATASETS, loader_state_keys
 from titan_upipe.torchtitan_0_2.job_assets.checkpoint_files import (
     check_shards,
@@ -96,6 +97,11 @@ def check_checkpoint_settings(job_config) -> None:
 
 
 def _model_problem(job_config, path: str, found: dict, hf: bool, fix: str) -> None:
+    if not hf and written_by(found) == "0.3":
+        raise ConfigError(f"{path} was written by TorchTitan 0.3, which names model keys otherwise "
+                          "(attention.qkv_linear.wq, lm_head): convert its weights with `python -m "
+                          f"titan_upipe.tools.checkpoint_convert {path} NEW_FOLDER --to 0.2` and start from NEW_FOLDER "
+                          "(checkpoint.initial_load_path; the optimizer starts afresh), or resume it on TorchTitan 0.3")
     state = job_model_state(job_config)
     problem = state and describe_mismatch(state, found, hf, (job_config.model.name,))
     if problem:

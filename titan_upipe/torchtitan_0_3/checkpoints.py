@@ -1,0 +1,45 @@
+"""The checkpoint a 0.3 job would load, checked before any process group for the version that wrote it.
+
+As on 0.2.2, TorchTitan 0.3 resumes from ``<dump_folder>/<checkpoint.folder>`` when that folder holds a
+``step-N`` with a ``.metadata`` (``checkpoint.load_step``, else the newest), and only otherwise loads
+``checkpoint.initial_load_path``. A DCP checkpoint written by TorchTitan 0.2.2 names two model keys
+otherwise (``spec.checkpoint_keys``): 0.3 would stop inside the load with a key error after the process
+groups started, so the launch refuses it here with the conversion that moves its weights.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from torch.distributed.checkpoint import FileSystemReader
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.spec.checkpoint_keys import written_by
+
+
+def checkpoint_to_load(trainer) -> str | None:
+    """The DCP checkpoint folder a ``Trainer.Config`` would load (None: none, or Hugging Face weights)."""
+    ckpt = trainer.checkpoint
+    if not ckpt.enable:
+        return None
+    folder = os.path.join(trainer.dump_folder, ckpt.folder)
+    steps = {int(m.group(1)): os.path.join(folder, name) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.exists(os.path.join(folder, name, ".metadata"))}
+    if steps:
+        return steps.get(ckpt.load_step, steps[max(steps)]) if ckpt.load_step != -1 else steps[max(steps)]
+    if ckpt.initial_load_path and not ckpt.initial_load_in_hf:
+        return ckpt.initial_load_path
+    return None
+
+
+def check_checkpoint_version(trainer) -> None:
+    """ConfigError when the checkpoint the job would load was written by TorchTitan 0.2.2."""
+    path = checkpoint_to_load(trainer)
+    if path is None or not os.path.exists(os.path.join(path, ".metadata")):
+        return
+    if written_by(FileSystemReader(path).read_metadata().state_dict_metadata) == "0.2":
+        raise ConfigError(f"{path} was written by TorchTitan 0.2.2, which names model keys otherwise (attention.wq, "
+                          "output): convert its weights with `python -m titan_upipe.tools.checkpoint_convert "
+                          f"{path} NEW_FOLDER --to 0.3` and start from NEW_FOLDER (checkpoint.initial_load_path; the "
+                          "optimizer starts afresh), or resume it on TorchTitan 0.2.2")
