@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
 from titan_upipe.torchtitan_common import cpu_runtime
 
 
@@ -79,3 +80,20 @@ def available_host_memory() -> int | None:
     except OSError:
         return None
     return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def validate_parser(description: str, assets: bool) -> ToolParser:
+    """``python -m titan_upipe.validate``'s arguments (``assets``: with ``--no-assets``, where the files are checked)."""
+    parser = ToolParser(prog="python -m titan_upipe.validate", description=description)
+    parser.add_argument("config", help="the TOML file to check")
+    parser.add_argument("--world-size", type=positive_int, default=None,
+                        help="ranks the job will run on (default: the product of the configured degrees)")
+    parser.add_argument("--host-mem", type=positive_size, default=None,
+                        help="host memory of a compute node in GiB (default: this machine's available memory)")
+    if assets:
+        parser.add_argument("--no-assets", action="store_true",
+                            help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
+                             "else cuda for a bf16/fp16 job and cpu for a float32 one)")
+    return parser

@@ -24,8 +24,7 @@ import sys
 from titan_upipe.errors import ConfigError
 from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
 from titan_upipe.spec.job_spec import JobSpec
-from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
-from titan_upipe.tools.layout_summary import DEVICES, LayoutSummary, available_host_memory
+from titan_upipe.tools.layout_summary import LayoutSummary, available_host_memory, validate_parser
 from titan_upipe.tools.layout_summary import target_device as device_for
 from titan_upipe.torchtitan_0_2 import checks, job_assets
 from titan_upipe.torchtitan_0_2 import memory_guard as guard
@@ -164,17 +163,7 @@ def summarize(job_config, world_size: int, host_mem_bytes: int | None = None, de
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ToolParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the TOML file to check")
-    parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="ranks the job will run on (default: the product of the configured degrees)")
-    parser.add_argument("--host-mem", type=positive_size, default=None,
-                        help="host memory of a compute node in GiB (default: this machine's available memory)")
-    parser.add_argument("--no-assets", action="store_true",
-                        help="check the layout only: skip the tokenizer, data, checkpoint and host-memory checks")
-    parser.add_argument("--device", choices=DEVICES, default=None,
-                        help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
-                             "else cuda for a bf16/fp16 job and cpu for a float32 one)")
+    parser = validate_parser(__doc__.splitlines()[0], assets=True)
     args, overrides = parser.parse_known_args(argv)
     try:
         job_config = parse_job(["--job.config_file", args.config, *overrides])

@@ -19,8 +19,12 @@ from titan_upipe.plan.fit import fit_problem
 from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
 from titan_upipe.plan.spec_input import plan_input_from_spec
 from titan_upipe.spec.units import GIB
-from titan_upipe.toolkit.cli_args import ToolParser, positive_int, positive_size
-from titan_upipe.tools.layout_summary import DEVICES, LayoutSummary, available_host_memory, target_device
+from titan_upipe.tools.layout_summary import (
+    LayoutSummary,
+    available_host_memory,
+    target_device,
+    validate_parser,
+)
 
 
 def memory_problem(spec, world_size: int, device: str, host_bytes: float) -> str | None:
@@ -48,15 +52,7 @@ def summary(job, world_size: int, device_text: str) -> LayoutSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ToolParser(prog="python -m titan_upipe.validate", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the TOML file to check")
-    parser.add_argument("--world-size", type=positive_int, default=None,
-                        help="ranks the job will run on (default: the product of the configured degrees)")
-    parser.add_argument("--host-mem", type=positive_size, default=None,
-                        help="host memory of a compute node in GiB (default: this machine's available memory)")
-    parser.add_argument("--device", choices=DEVICES, default=None,
-                        help="the device the job trains on (default: TITAN_UPIPE_DEVICE, else this machine's GPU, "
-                             "else cuda for a bf16/fp16 job and cpu for a float32 one)")
+    parser = validate_parser(__doc__.splitlines()[0], assets=False)
     args, overrides = parser.parse_known_args(argv)
     argv = ["--job.config_file", args.config, *overrides]
     door = adapter_module("load_job")

@@ -51,6 +51,19 @@ NOT_HOSTED_YET = {"tsp": "TSP"}
 """``model.converters`` that run on TorchTitan 0.2.2 only so far (issue 44)."""
 
 
+def check_world_size(parallelism, world_size: int) -> None:
+    """ConfigError when the configured degrees do not make the launch's ranks (TorchTitan 0.3 would stop
+    inside ``ParallelDims`` after the process group started)."""
+    others = parallelism.context_parallel_degree * parallelism.data_parallel_replicate_degree
+    shard = parallelism.data_parallel_shard_degree
+    if (world_size % others if shard == -1 else shard * others != world_size):
+        made = f"{others} x data_parallel_shard_degree" if shard == -1 else str(shard * others)
+        raise ConfigError(f"the launch has {world_size} ranks but parallelism's degrees make {made} (context "
+                          f"{parallelism.context_parallel_degree} x data-parallel replicate "
+                          f"{parallelism.data_parallel_replicate_degree} x shard {shard}): launch a multiple of "
+                          f"{others} ranks, or set the degrees to multiply to {world_size}")
+
+
 def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
     """ConfigError naming the first setting of the job that TorchTitan 0.3 does not host yet."""
     for name in recipe.converters:
@@ -90,6 +103,7 @@ def build_trainer(argv: list[str]) -> ContextParallelTrainer:
     """The trainer of a recipe's job on this launch's ranks (``WORLD_SIZE``)."""
     recipe = load_recipe(argv)
     spec = job_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
+    check_world_size(recipe.trainer.parallelism, spec.world_size)
     check_hosted(recipe, spec)
     spec = prepare_job(spec)  # kept attention sized for this machine, the memory guard
     cpu_runtime.activate()  # TorchTitan picks CUDA at import; on a machine without one, the CPU and gloo

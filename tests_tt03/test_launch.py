@@ -1,0 +1,62 @@
+"""What ``python -m titan_upipe.train`` refuses on TorchTitan 0.3 before any process group: one message
+naming the setting, its valid values and the fix (``torchtitan_0_3.launch.build_trainer``, in-process:
+it raises before ``init_process_group``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from titan_upipe.errors import ConfigError
+from titan_upipe.torchtitan_0_3.launch import build_trainer
+
+
+@pytest.fixture(autouse=True)
+def two_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets: the debug recipes' degrees
+
+
+def refusal(*args: str) -> str:
+    with pytest.raises(ConfigError) as refused:
+        build_trainer(["--job.config_file", *args])
+    assert not dist.is_initialized()
+    return str(refused.value)
+
+
+def test_what_0_3_does_not_host_is_refused_by_name():
+    assert refusal("configs/debug/tsp.toml", "--parallelism.context_parallel_degree", "2").startswith(
+        "model.converters = ['tsp'] (TSP) is not run on TorchTitan 0.3 yet: valid converters on 0.3 are ulysses, "
+        "upipe, ring, usp")
+    assert "optimizer.state_on_host is not run on TorchTitan 0.3 yet" in refusal(
+        "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host")
+    assert "keep_attention keeps the plugin's context-parallel attention inside offloaded checkpointing" in refusal(
+        "configs/debug/llama3_upipe.toml", "--activation_checkpoint.keep_attention", "device")
+    assert "transforms.ce_backend = 'liger' is not run on TorchTitan 0.3" in refusal(
+        "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
+
+
+def test_degrees_that_do_not_make_the_launch_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert refusal("configs/debug/llama3_upipe.toml").startswith(
+        "the launch has 3 ranks but parallelism's degrees make 2 x data_parallel_shard_degree")
+
+
+def test_a_job_that_does_not_fit_is_refused_with_the_length_that_fits():
+    message = refusal("configs/debug/llama3_upipe.toml", "--training.seq_len", str(2**36))
+    assert message.startswith(f"training.seq_len = {2**36:,} does not fit: the memory planner predicts")
+    assert "set training.seq_len to" in message
+
+
+def test_a_0_2_checkpoint_is_refused_with_its_conversion(tmp_path):
+    state = {"layers.0.attention.wq.weight": torch.zeros(2, 2), "output.weight": torch.zeros(2, 2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp_path / "v02"), no_dist=True)
+    message = refusal("configs/debug/llama3_upipe.toml", "--job.dump_folder", str(tmp_path / "out"),
+                      "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "v02"))
+    assert "was written by TorchTitan 0.2.2, which names model keys otherwise" in message
+    assert f"checkpoint_convert {tmp_path / 'v02'} NEW_FOLDER --to 0.3" in message
