@@ -1,7 +1,10 @@
 """Generate every TOML under ``configs/`` from one table of recipes.
 
-    python scripts/gen_configs.py            # (re)write configs/
+    python scripts/gen_configs.py            # (re)write configs/ and titan_upipe/resources/recipes.json
     python scripts/gen_configs.py --check    # exit 1 if a committed file differs (tests run this)
+
+``recipes.json`` holds the same recipes as the TOML files, by name (``llama3_8b_upipe_1m``): TorchTitan
+0.3's config functions (``titan_upipe.torchtitan_0_3.config_registry``) read it from the package.
 
 One place holds the settings all runs share (the paper's setup for GPU recipes: FSDP over all
 ranks, bf16, batch 1, full activation checkpointing offloaded to host memory, tiled MLP and
@@ -323,6 +326,22 @@ def intended_world_size(recipe: Recipe) -> int:
     return recipe.ranks
 
 
+RECIPES_JSON = REPO / "titan_upipe" / "resources" / "recipes.json"
+
+
+def config_name(recipe: Recipe) -> str:
+    """A recipe's name as a 0.3 config function: its path under ``configs/``, ``/`` as ``_``."""
+    return Path(recipe.path).relative_to("configs").with_suffix("").as_posix().replace("/", "_")
+
+
+def recipes_json() -> str:
+    """Every recipe's sections by config name, the package's copy of ``configs/`` (sorted, stable)."""
+    import json
+
+    table = {config_name(r): {"path": r.path, "sections": sections(r)} for r in all_recipes()}
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the committed files; write nothing")
@@ -337,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
+    table = recipes_json()
+    if args.check:
+        if not RECIPES_JSON.exists() or RECIPES_JSON.read_text() != table:
+            stale.append(str(RECIPES_JSON.relative_to(REPO)))
+    else:
+        RECIPES_JSON.write_text(table)
     if stale:
         print("out of date (run python scripts/gen_configs.py):\n  " + "\n  ".join(stale))
         return 1

@@ -20,3 +20,12 @@ def pytest_configure(config):
 
 # The main suite's launch helpers (forked ranks, TensorBoard readers) serve this pass too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+@pytest.fixture(scope="session")
+def on_0_2(tmp_path_factory) -> dict:
+    """TorchTitan 0.2.2's side of the comparisons, from one process (``on_0_2.run_on_0_2``)."""
+    from on_0_2 import run_on_0_2
+    from test_recipes import PLAN_RECIPES, RECIPES
+
+    return run_on_0_2(RECIPES, PLAN_RECIPES, tmp_path_factory.mktemp("on_0_2"))

@@ -2,7 +2,8 @@
 
 TorchTitan 0.3 reads no TOML; ``torchtitan_0_3.recipe`` maps a recipe onto its ``Trainer.Config`` and
 the plugin's sections, and ``torchtitan_0_3.job_spec`` builds the spec. Every recipe of
-``configs/llama3_8b`` and ``configs/qwen3_32b`` is read on both versions (0.2.2 in a subprocess
+``configs/llama3_8b`` and ``configs/qwen3_32b`` is read on both versions (0.2.2 in one subprocess,
+the ``on_0_2`` fixture
 without the 0.3 environment on its path) and the specs compared field by field; ``plan`` prints the
 same JSON on both.
 """
@@ -11,9 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,38 +27,8 @@ RECIPES = sorted(str(p.relative_to(REPO)) for folder in ("llama3_8b", "qwen3_32b
 
 PLAN_RECIPES = ["configs/llama3_8b/upipe_1m.toml", "configs/qwen3_32b/upipe_usp_1m.toml"]
 
-ON_0_2 = """
-import contextlib, dataclasses, io, json, sys
-from titan_upipe.torchtitan_0_2.load_job import spec_of_recipe
-from titan_upipe.tools.plan_cli import main as plan
-recipes, plans = sys.argv[1].split(","), sys.argv[2].split(",")
-specs = {p: dataclasses.asdict(spec_of_recipe(["--job.config_file", p])) for p in recipes}
-printed = {}
-for p in plans:
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        plan(["--job.config_file", p, "--json"])
-    printed[p] = out.getvalue()
-print(json.dumps({"specs": specs, "plans": printed}, default=str, sort_keys=True))
-"""
-"""The specs of every recipe and the ``plan --json`` output of ``PLAN_RECIPES``, on TorchTitan 0.2.2 (one
-process: its imports are most of the time)."""
-
-
-def on_torchtitan_0_2(args: list[str]) -> subprocess.CompletedProcess:
-    """``python args`` in this venv without the 0.3 environment on the path: TorchTitan 0.2.2."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-
-
 def as_json(spec) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(spec), default=str, sort_keys=True))
-
-
-@pytest.fixture(scope="module")
-def on_0_2() -> dict:
-    out = on_torchtitan_0_2(["-c", ON_0_2, ",".join(RECIPES), ",".join(PLAN_RECIPES)])
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +185,26 @@ def test_every_stock_key_of_every_recipe_lands_where_the_table_says():
         assert loaded.trainer.optimizer.param_groups[0].optimizer_kwargs["lr"] == written["optimizer.lr"], path
         assert (loaded.trainer.model_spec.flavor, loaded.model_name) == (written["model.flavor"], written["model.name"])
         assert loaded.converters == tuple(written["model.converters"]), path
+
+
+def test_every_recipe_is_a_config_function_of_torchtitans_entry_point():
+    """``torchtitan.train --module titan_upipe.torchtitan_0_3 --config NAME [flags]`` parses into the plugin
+    trainer's config with the recipe's job (0.3's own ConfigManager: module lookup, tyro flags); the
+    functions are generated with the TOML files (``scripts/gen_configs.py --check`` in tests/test_recipes.py)."""
+    from torchtitan.config.manager import ConfigManager
+
+    from titan_upipe.torchtitan_0_3 import config_registry
+    from titan_upipe.torchtitan_0_3.trainer import ContextParallelTrainer
+
+    names = {p.relative_to(REPO / "configs").with_suffix("").as_posix().replace("/", "_")
+             for p in (REPO / "configs").rglob("*.toml")}
+    assert names == set(config_registry.recipe_tables()) and "llama3_8b_upipe_1m" in dir(config_registry)
+    config = ConfigManager().parse_args(["--module", "titan_upipe.torchtitan_0_3", "--config", "llama3_8b_upipe_1m",
+                                         "--training.steps", "7", "--parallelism.context_parallel_degree", "4"])
+    assert isinstance(config, ContextParallelTrainer.Config) and config.recipe is not None
+    assert (config.training.steps, config.parallelism.context_parallel_degree, config.parallelism.spmd_backend) == \
+        (7, 4, "partial_dtensor")
+    from_file = job_spec(load_recipe(["--job.config_file", "configs/llama3_8b/upipe_1m.toml"]))
+    assert job_spec(config.recipe) == from_file
+    with pytest.raises(AttributeError, match="has no config function 'llama3_8b_upipe_9m': valid names"):
+        config_registry.llama3_8b_upipe_9m  # noqa: B018

@@ -13,6 +13,7 @@ nothing.
 from __future__ import annotations
 
 import pytest
+from on_0_2 import REFERENCE_BATCH, REFERENCE_STEPS
 from trainer_utils import (
     assert_losses_close,
     create_seed_checkpoint,
@@ -33,16 +34,9 @@ def train(ranks: int, config: str, out, seed, *overrides: str):
     return torchrun(ranks, "titan_upipe.train", config, out, "--training.steps", STEPS, *overrides, *load_seed(seed))
 
 
-ON_0_2 = {"PYTHONPATH": ""}
-"""The environment of a TorchTitan 0.2.2 launch from this pass: without the 0.3 overlay (``.tt03``)."""
-
-
 @pytest.fixture(scope="module")
-def llama3_seed_0_2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("seed02")
-    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", out, "--checkpoint.enable",
-             "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1", env=ON_0_2)
-    return out / "checkpoint" / "step-0"
+def llama3_seed_0_2(on_0_2):
+    return on_0_2["seed"]
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +81,13 @@ def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, 
     check_counters(tmp_path, cp=ranks)
 
 
-def test_a_0_2_checkpoint_trains_on_0_3_as_on_0_2(llama3_seed_0_2, llama3_one_rank, tmp_path):
-    """The same job from the same weights on both versions: 0.2.2 from its own checkpoint, 0.3 from the
-    converted one (the one-rank reference above) — equal losses, step by step."""
-    torchrun(1, "titan_upipe.train", "configs/debug/llama3_fsdp.toml", tmp_path, "--training.steps", STEPS,
-             "--training.local_batch_size", str(GLOBAL_BATCH), *load_seed(llama3_seed_0_2), env=ON_0_2)
-    assert_losses_close(losses(llama3_one_rank), losses(tmp_path), rtol=1e-5)
+def test_a_0_2_checkpoint_trains_on_0_3_as_on_0_2(on_0_2, llama3_one_rank):
+    """The same job from the same weights on both versions: 0.2.2 from its own checkpoint (``on_0_2``), 0.3
+    from the converted one (the one-rank reference above): equal losses, step by step."""
+    assert STEPS == REFERENCE_STEPS and str(GLOBAL_BATCH) == REFERENCE_BATCH
+    reference = losses(on_0_2["one_rank"])
+    assert len(reference) == int(STEPS)
+    assert_losses_close(losses(llama3_one_rank), reference, rtol=1e-5)
 
 
 def test_memory_transforms_and_offloaded_checkpointing_match_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path):

@@ -5,7 +5,7 @@ call (``titan_upipe.adapter.adapter_module("load_job")``).
   what ``plan`` reads; :func:`flavor_model_dims`: ``plan --model <name>:<flavor>``.
 * :func:`checked_job`: the spec of a job the 0.3 launch would start, with what ``validate`` prints
   beside it; a setting 0.3 does not host yet is refused as the launch refuses it
-  (``launch.check_hosted``).
+  (``job.check_world_size``, ``job.check_hosted``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3.flavors import flavor_model_dims
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
-from titan_upipe.torchtitan_0_3.launch import check_hosted
+from titan_upipe.torchtitan_0_3.job import check_hosted, check_world_size
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 
 __all__ = ["CheckedJob", "checked_job", "flavor_model_dims", "spec_of_recipe"]
@@ -40,5 +40,6 @@ def checked_job(argv: list[str], world_size: int | None = None) -> CheckedJob:
     first problem, worded as the launch words it)."""
     recipe = load_recipe(argv)
     spec = job_spec(recipe, world_size)
+    check_world_size(recipe.trainer.parallelism, spec.world_size)
     check_hosted(recipe, spec)
     return CheckedJob(spec, recipe.model_name, recipe.flavor, recipe.converters)

@@ -225,13 +225,18 @@ def _settings(argv: list[str]) -> tuple[str, dict[str, object]]:
     """(the file, ``{section.key: value}``): the file's values, each of its field's type, then the flags
     over them; an unknown key is refused with the closest known one."""
     path, flags = _flags(argv)
-    values = {f"{section}.{key}": value for section, table in internal_sections(load_toml(path)).items()
+    return path, {**_table_values(path, load_toml(path)), **flags}
+
+
+def _table_values(path: str, tables: dict) -> dict[str, object]:
+    """``{section.key: value}`` of a recipe's sections, each checked against its field's type."""
+    values = {f"{section}.{key}": value for section, table in internal_sections(tables).items()
               for key, value in table.items()}
     for key, value in values.items():
         _require_known(key, path)
         if problem := value_problem(key, value, key_annotation(key)):
             raise ConfigError(f"{path}: {problem}")
-    return path, {**values, **flags}
+    return values
 
 
 def _get(config: object, path: str) -> object:
@@ -280,8 +285,18 @@ def load_recipe(argv: list[str], quiet: bool = True) -> Recipe:
         return _load_recipe(argv)
 
 
+def recipe_of_tables(path: str, tables: dict) -> Recipe:
+    """The recipe of ``tables`` (a TOML file's sections, as ``resources/recipes.json`` holds them; ``path``
+    names it in messages), read as :func:`load_recipe` reads the file."""
+    with _warnings_muted(True):
+        return _recipe_of(path, _table_values(path, tables))
+
+
 def _load_recipe(argv: list[str]) -> Recipe:
-    path, values = _settings(argv)
+    return _recipe_of(*_settings(argv))
+
+
+def _recipe_of(path: str, values: dict[str, object]) -> Recipe:
     read = {key: values.get(key, DEFAULTS.get(key)) for key in READ_HERE}
     if read["model.name"] is None or read["model.flavor"] is None:
         raise ConfigError(f"{path} names no model: set [model] name and flavor (e.g. upipe_llama3 and 8B)")

@@ -1,8 +1,9 @@
 """TorchTitan 0.3's ``Trainer`` with the plugin's CP inputs, parallelize and counters.
 
-* **The launch's one job** (:class:`Launch`): the JobSpec, the CP mesh built from TorchTitan's
-  ``cp`` mesh and the spec's layout once (``init_distributed``), and the attention's compute dtype.
-  ``parallelize`` and the input sharding read that one mesh.
+* **The launch's one job** (``job.Launch``, built and checked before ``Trainer.__init__`` starts a
+  process group: ``job.launch_of``): the JobSpec, the CP mesh built from TorchTitan's ``cp`` mesh and
+  the spec's layout once (``init_distributed``), and the attention's compute dtype. ``parallelize``
+  and the input sharding read that one mesh.
 * **Inputs.** Under CP, tokens, labels and their global positions are sharded in the converted
   attention's layout (``parallel.inputs.prepare_cp_batch``: contiguous for Ulysses/UPipe, zigzag
   over a ring), not 0.3's head-tail one; the positions go to the model, whose attention indexes
@@ -25,37 +26,41 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
+import tyro
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
+from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import prepare_cp_batch, valid_tokens
 from titan_upipe.parallel.mesh import layout_mesh
-from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
-
-
-@dataclass
-class Launch:
-    """One launch's job: what it is and where its sequence runs."""
-
-    spec: JobSpec
-    compute_dtype: torch.dtype
-    """The attention inputs' dtype (FSDP's parameter dtype)."""
-    cp_mesh: DeviceMesh | None = None
-    """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
-    process groups exist; None without CP."""
+from titan_upipe.torchtitan_0_3.recipe import Recipe
 
 
 class ContextParallelTrainer(Trainer):
     """0.3's trainer for the plugin's jobs (module docstring)."""
 
-    def __init__(self, config: Trainer.Config, launch: Launch) -> None:
-        self.launch = launch
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        """0.3's ``Trainer.Config`` with the recipe it came from (``job.plugin_config``): its plugin
+        sections and the settings 0.3 has no field for. ``build()`` builds this trainer."""
+
+        recipe: Annotated[Recipe | None, tyro.conf.Suppress] = None
+
+        def to_dict(self) -> dict:  # the recipe holds this config: not twice in the logged dict
+            return {key: value for key, value in Trainer.Config.to_dict(self).items() if key != "recipe"}
+
+    def __init__(self, config: Config) -> None:
+        if config.recipe is None:
+            raise ConfigError("ContextParallelTrainer.Config carries no recipe: build it with "
+                              "titan_upipe.torchtitan_0_3.job.plugin_config(recipe) (or a config function of "
+                              "titan_upipe.torchtitan_0_3.config_registry)")
+        self.launch = launch = launch_of(config)  # the job checked before any process group
         config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
         super().__init__(config)
 
@@ -130,3 +135,13 @@ class ContextParallelTrainer(Trainer):
             return loss.item(), batch_mean.item()
         # Every CP rank of a batch holds the same batch mean: the max over the loss mesh is over batches.
         return dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(batch_mean, loss_mesh)
+
+
+def plugin_config(recipe: Recipe) -> ContextParallelTrainer.Config:
+    """The recipe's job as the plugin trainer's ``Config`` (``build()`` builds :class:`ContextParallelTrainer`):
+    the recipe's ``Trainer.Config`` fields, the plugin's settings (``job.apply_plugin_settings``), the recipe."""
+    trainer = recipe.trainer
+    config = ContextParallelTrainer.Config(**{f.name: getattr(trainer, f.name) for f in dataclasses.fields(trainer)},
+                                           recipe=recipe)
+    apply_plugin_settings(config, recipe)
+    return config
