@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3.flavors import flavor_model_dims
-from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.job import check_hosted, check_world_size
+from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 
 __all__ = ["CheckedJob", "checked_job", "flavor_model_dims", "spec_of_recipe"]
