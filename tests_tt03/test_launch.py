@@ -35,6 +35,10 @@ def test_what_0_3_does_not_host_is_refused_by_name():
         "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host")
     assert "keep_attention keeps the plugin's context-parallel attention inside offloaded checkpointing" in refusal(
         "configs/debug/llama3_upipe.toml", "--activation_checkpoint.keep_attention", "device")
+    assert "validation.steps = -1 (every sample) never ends on the plugin's datasets" in refusal(
+        "configs/debug/llama3_upipe.toml", "--validation.enable")
+    assert refusal("configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1").startswith(
+        "validation.dataset = 'c4_validation' is not read by titan_upipe on TorchTitan 0.3 yet")
     assert "transforms.ce_backend = 'liger' is not run on TorchTitan 0.3" in refusal(
         "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
 

@@ -28,6 +28,10 @@ from titan_upipe.tools import checkpoint_convert as convert_checkpoint
 STEPS = "3"
 SEQ = 512
 GLOBAL_BATCH = 4
+VALIDATION = ("--validation.enable", "--validation.dataset", "synthetic_copy", "--validation.seq_len", str(SEQ),
+              "--validation.local_batch_size", "2", "--validation.steps", "1", "--validation.freq", "2")
+"""Held-out synthetic validation after steps 1 and 2: one batch of 2 sequences, sharded like training."""
+VALIDATION_LOSS = "validation_metrics/loss"
 
 
 def train(ranks: int, config: str, out, seed, *overrides: str):
@@ -49,7 +53,8 @@ def llama3_seed(llama3_seed_0_2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama3_one_rank(llama3_seed, tmp_path_factory):
     out = tmp_path_factory.mktemp("one03")
-    train(1, "configs/debug/llama3_fsdp.toml", out, llama3_seed, "--training.local_batch_size", str(GLOBAL_BATCH))
+    train(1, "configs/debug/llama3_fsdp.toml", out, llama3_seed, "--training.local_batch_size", str(GLOBAL_BATCH),
+          *VALIDATION)
     return out
 
 
@@ -72,12 +77,14 @@ CP_CASES = [
                          ids=["ulysses-cp2", "ring-cp2", "upipe-cp2-u4", "usp-r2u2", "upipe-in-usp-r2u2"])
 def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path, config, ranks, mode, mesh,
                                                   overrides):
-    proc = train(ranks, config, tmp_path, llama3_seed, *overrides)
+    proc = train(ranks, config, tmp_path, llama3_seed, *overrides, *VALIDATION)
     log = proc.stdout + proc.stderr
     assert f"Converted attention to {mode} over a CP mesh of {ranks} ranks ({mesh})" in log
     reference = losses(llama3_one_rank)
     assert len(reference) == int(STEPS)
     assert_losses_close(losses(tmp_path), reference, rtol=1e-5)
+    assert [s for s, _ in read_scalars(tmp_path)[VALIDATION_LOSS]] == [1, 2]  # the evaluation under CP
+    assert_losses_close(losses(tmp_path, VALIDATION_LOSS), losses(llama3_one_rank, VALIDATION_LOSS), rtol=1e-5)
     check_counters(tmp_path, cp=ranks)
 
 

@@ -33,9 +33,9 @@ DATASETS = (*SYNTHETIC_DATASETS, LOCAL_TEXT_DATASET)
 """The ``training.dataset`` values the plugin reads on TorchTitan 0.3 (0.2.2 also reads TorchTitan's HF ones)."""
 
 
-def check_dataset(name: str) -> str:
+def check_dataset(name: str, key: str = "training.dataset") -> str:
     if name not in DATASETS:
-        raise ConfigError(with_suggestion(f"training.dataset = {name!r} is not read by titan_upipe on TorchTitan 0.3 "
+        raise ConfigError(with_suggestion(f"{key} = {name!r} is not read by titan_upipe on TorchTitan 0.3 "
                                           f"yet: valid values are {', '.join(DATASETS)} (TorchTitan 0.2.2 reads "
                                           "the HF datasets too)", name, DATASETS))
     return name
@@ -51,15 +51,19 @@ class GlobalBatchDataLoader(GlobalBatches, BaseDataLoader):
         """``local_data.paths`` (``local_text``)."""
         text_key: str = "text"
         skip_bad_records: bool = False
+        seed: int | None = None
+        """The synthetic stream's seed (None: the training one; validation: ``VALIDATION_SEED``)."""
+        infinite: bool = True
+        """Set by 0.3's validator; the plugin's streams repeat (the validation steps bound an evaluation)."""
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int,
-                 tokenizer=None, snapshot_every_n_steps: int | None = None, seed: int | None = None) -> None:
+                 tokenizer=None, snapshot_every_n_steps: int | None = None) -> None:
         del snapshot_every_n_steps  # the checkpoint holds one small cursor
         if check_dataset(config.dataset) == LOCAL_TEXT_DATASET:
             stream = LocalTextStream(expand_paths(config.paths), partial(tokenizer.encode, add_bos=True, add_eos=True),
                                      seq_len, config.text_key, skip_bad_records=config.skip_bad_records)
         else:
             sample = SAMPLES[config.dataset]
-            stream = (SyntheticCopyStream(seq_len, sample=sample) if seed is None else
-                      SyntheticCopyStream(seq_len, seed=seed, sample=sample))
+            stream = (SyntheticCopyStream(seq_len, sample=sample) if config.seed is None else
+                      SyntheticCopyStream(seq_len, seed=config.seed, sample=sample))
         GlobalBatches.__init__(self, stream, local_batch_size, dp_rank, dp_world_size)

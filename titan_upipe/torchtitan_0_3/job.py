@@ -93,6 +93,8 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
                           "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp) and "
                           "activation_checkpoint.cpu_offload = true; else set keep_attention = \"off\"")
     check_dataset(recipe.trainer.dataloader.dataset)
+    if recipe.trainer.validator.enable:
+        check_dataset(recipe.trainer.validator.dataloader.dataset, "validation.dataset")
     check_checkpoint_version(recipe.trainer)
 
 

@@ -39,6 +39,7 @@ from torchtitan.components.optimizer.optimizer import default_adamw
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.trainer import Trainer
 
+from titan_upipe.data.synthetic import VALIDATION_SEED
 from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.spec import sections
 from titan_upipe.spec.recipe_file import (
@@ -48,7 +49,9 @@ from titan_upipe.spec.recipe_file import (
     load_toml,
     value_problem,
 )
+from titan_upipe.torchtitan_0_3.data import GlobalBatchDataLoader
 from titan_upipe.torchtitan_0_3.flavors import model_spec
+from titan_upipe.torchtitan_0_3.validation import LayoutValidator
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 
@@ -77,8 +80,15 @@ STOCK_KEYS = {
 }
 """A recipe's key (TorchTitan 0.2's name) -> the ``Trainer.Config`` attribute path it sets on 0.3."""
 
+VALIDATION_TYPES = {"validation.enable": bool, "validation.freq": int, "validation.steps": int,
+                    "validation.dataset": str, "validation.dataset_path": str, "validation.seq_len": int,
+                    "validation.local_batch_size": int}
+VALIDATION_DEFAULTS = {"validation.enable": False, "validation.freq": 10, "validation.steps": -1,
+                       "validation.dataset": "c4_validation", "validation.dataset_path": None,
+                       "validation.seq_len": 2048, "validation.local_batch_size": 8}
+"""``[validation]`` (0.2's section, its defaults): 0.3's ``validator`` with the plugin's sizes and loader."""
 READ_HERE = ("model.name", "model.flavor", "model.converters", "optimizer.name", "optimizer.lr",
-             "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option")
+             "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", *VALIDATION_TYPES)
 """Keys whose 0.3 form is not one field: the model, the AdamW param group, the AC policy class."""
 
 REGISTRATION_KEYS = {
@@ -104,7 +114,7 @@ default (per-op selective; 0.2's was every second block, which 0.3 has not)."""
 
 READ_HERE_TYPES = {"model.name": str, "model.flavor": str, "model.converters": list[str], "optimizer.name": str,
                    "optimizer.lr": float, "activation_checkpoint.mode": str,
-                   "activation_checkpoint.selective_ac_option": str}
+                   "activation_checkpoint.selective_ac_option": str, **VALIDATION_TYPES}
 NONE_DEFAULT_TYPES = {"debug.seed": int, "checkpoint.initial_load_path": str}
 """Stock keys whose 0.3 default is None, and the type a recipe gives them (0.2's annotation)."""
 
@@ -263,6 +273,22 @@ def _ac_config(mode: str, option: str):
     return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[mode]
 
 
+def _validator_config(values: dict[str, object]):
+    """``[validation]`` as the plugin's 0.3 validator: its loader draws held-out samples (``VALIDATION_SEED``)
+    or reads ``dataset_path``; a run of every validation sample (``steps = -1``) never ends on the plugin's
+    datasets, which repeat, and is refused."""
+    if values["validation.enable"] and values["validation.steps"] == -1:
+        raise ConfigError("validation.steps = -1 (every sample) never ends on the plugin's datasets, which repeat: "
+                          "valid values are a positive number of steps")
+    path = values["validation.dataset_path"]
+    loader = GlobalBatchDataLoader.Config(dataset=values["validation.dataset"], seed=VALIDATION_SEED,
+                                          paths=[path] if path else [])
+    return LayoutValidator.Config(enable=values["validation.enable"], freq=values["validation.freq"],
+                                  steps=values["validation.steps"], validation_seq_len=values["validation.seq_len"],
+                                  validation_local_batch_size=values["validation.local_batch_size"],
+                                  dataloader=loader)
+
+
 @contextlib.contextmanager
 def _warnings_muted(quiet: bool):
     """TorchTitan 0.3 logs a warning for its own defaults (``CheckpointManager.Config``: "initial_load_model_only
@@ -308,6 +334,7 @@ def _recipe_of(path: str, values: dict[str, object]) -> Recipe:
     for key, attribute in STOCK_KEYS.items():
         if key in values:
             _set(trainer, attribute, values[key])
+    trainer.validator = _validator_config({key: values.get(key, VALIDATION_DEFAULTS[key]) for key in VALIDATION_TYPES})
     trainer.activation_checkpoint = _ac_config(read["activation_checkpoint.mode"],
                                                str(read["activation_checkpoint.selective_ac_option"]).strip())
     plugin = {}

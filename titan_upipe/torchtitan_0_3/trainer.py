@@ -35,8 +35,9 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
 from titan_upipe.errors import ConfigError
-from titan_upipe.parallel.inputs import prepare_cp_batch, valid_tokens
+from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.parallel.mesh import layout_mesh
+from titan_upipe.torchtitan_0_3.cp_inputs import shard_for_attention
 from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
@@ -63,6 +64,8 @@ class ContextParallelTrainer(Trainer):
         self.launch = launch = launch_of(config)  # the job checked before any process group
         config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
         super().__init__(config)
+        if config.validator.enable:
+            self.validator.launch = launch  # the validation batches in the attention's layout
 
     def init_distributed(self):
         parallel_dims = super().init_distributed()
@@ -77,18 +80,9 @@ class ContextParallelTrainer(Trainer):
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        extra = {key: value for key, value in input_dict.items() if key != "input"}
         if self.launch.cp_mesh is None:
-            return input_dict["input"], labels, extra
-        spec = self.launch.spec
-        batch = prepare_cp_batch(input_dict["input"], labels, self.launch.cp_mesh, eos_id=None,
-                                 ignore_index=IGNORE_INDEX, document_balance=spec.document_balance,
-                                 document_min_split=spec.document_min_split)
-        model_kwargs = batch.model_kwargs()
-        if model_kwargs["positions"].dim() == 1:
-            # 0.3 hands ``positions`` to the loss too, whose chunked form splits every input along dim 1
-            model_kwargs["positions"] = model_kwargs["positions"].expand(batch.tokens.shape[0], -1)
-        return batch.tokens, batch.labels, {**extra, **model_kwargs}
+            return input_dict["input"], labels, {k: v for k, v in input_dict.items() if k != "input"}
+        return shard_for_attention(input_dict, labels, self.launch)
 
     def train_step(self, data_iterator) -> None:
         """One optimizer step over ``gradient_accumulation_steps`` microbatches, losses over the
