@@ -96,6 +96,22 @@ def test_every_command_the_0_3_adapter_runs_resolves_here():
         assert callable(getattr(importlib.import_module(module), function)), entry
 
 
+def initialised_weights(model_config, convert=None) -> dict:
+    """The state dict of ``model_config`` built on meta (``convert(model)`` applied there, as ``parallelize``
+    converts), materialised on the CPU and initialised by 0.3's ``init_weights`` under seed 0."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_config.build()
+    if convert is not None:
+        convert(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model.state_dict()
+
+
 def test_separate_qkv_draws_the_fused_projections_weights():
     """``with_separate_qkv`` (what a CP job builds from TorchTitan's fused flavors) initialises wq/wk/wv with
     the very values the fused ``wqkv`` gets under the same seed: its checkpoint keys are the same too."""
@@ -103,20 +119,34 @@ def test_separate_qkv_draws_the_fused_projections_weights():
 
     from titan_upipe.torchtitan_0_3.flavors import model_spec, with_separate_qkv
 
-    def built(separate: bool):
-        config = model_spec("llama3", "debugmodel").model
-        if separate:
-            with_separate_qkv(config)
-        with torch.device("meta"):
-            model = config.build()
-        model.to_empty(device="cpu")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        return model.state_dict()
-
-    fused, separate = built(False), built(True)
+    fused = initialised_weights(model_spec("llama3", "debugmodel").model)
+    separate = initialised_weights(with_separate_qkv(model_spec("llama3", "debugmodel").model))
     keys = [k for k in separate if ".qkv_linear." in k]
     assert keys and set(separate) == set(fused)
     for key in keys:
         assert torch.equal(separate[key], fused[key]), key
+
+
+def test_a_converted_model_draws_the_unconverted_models_weights():
+    """0.3's ``init_states`` reaches the CP attention's children in the block's order (it is a 0.3 ``Module``):
+    a CP job started from random weights starts where a one-rank job does."""
+    import torch
+
+    from titan_upipe.attention.backends import get_backend
+    from titan_upipe.attention.module import AttentionSpec
+    from titan_upipe.spec.head_schedule import build_schedule
+    from titan_upipe.torchtitan_0_3.flavors import model_spec
+    from titan_upipe.torchtitan_0_3.model_classes import ContextParallelGQAttention, register_model_classes
+
+    register_model_classes()
+
+    def convert(model) -> None:
+        for block in model.layers.values():
+            spec = AttentionSpec.of(block.attention)
+            block.attention = ContextParallelGQAttention(block.attention, spec, "ulysses", None,
+                                                         build_schedule(8, 2, 1, 8), get_backend("sdpa", torch.float32))
+
+    converted = initialised_weights(model_spec("upipe_llama3", "debug").model, convert)
+    plain = initialised_weights(model_spec("upipe_llama3", "debug").model)
+    assert set(converted) == set(plain)
+    assert [key for key in plain if not torch.equal(converted[key], plain[key])] == []

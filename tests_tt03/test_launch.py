@@ -39,6 +39,14 @@ def test_what_0_3_does_not_host_is_refused_by_name():
         "configs/debug/llama3_upipe.toml", "--validation.enable")
     assert refusal("configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1").startswith(
         "validation.dataset = 'c4_validation' is not read by titan_upipe on TorchTitan 0.3 yet")
+    assert refusal("configs/debug/llama3_upipe.toml", "--model.converters", "upipe", "float8").startswith(
+        "unknown model.converters entry 'float8': valid converters on TorchTitan 0.3 are ulysses, upipe, ring, usp, "
+        "tiled_mlp")
+    assert "validation.seq_len = 1024 is longer than training.seq_len = 512" in refusal(
+        "configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1", "--validation.dataset",
+        "synthetic_copy", "--validation.seq_len", "1024")
+    assert "metrics.log_all_ranks = True is not run on TorchTitan 0.3 yet" in refusal(
+        "configs/debug/llama3_upipe.toml", "--metrics.log_all_ranks")
     assert "transforms.ce_backend = 'liger' is not run on TorchTitan 0.3" in refusal(
         "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
 
@@ -64,3 +72,24 @@ def test_a_0_2_checkpoint_is_refused_with_its_conversion(tmp_path):
                       "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "v02"))
     assert "was written by TorchTitan 0.2.2, which names model keys otherwise" in message
     assert f"checkpoint_convert {tmp_path / 'v02'} NEW_FOLDER --to 0.3" in message
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("configs/qwen3_32b/upipe_usp_1m.toml", ()), ("configs/llama3_8b/upipe_1m.toml", ()),
+    ("configs/debug/llama3_upipe_transforms.toml", ("--transforms.ce_chunk_tokens", "100")),
+])
+def test_the_chunked_loss_splits_every_row_evenly(recipe, overrides):
+    """0.3's ``ChunkedLossWrapper`` needs ``S/C`` divisible by its chunk count (the default size gave Qwen3-32B
+    30 chunks of 131072-token rows): the count divides the row, chunks no larger than asked."""
+    from titan_upipe.torchtitan_0_3.job_spec import job_spec
+    from titan_upipe.torchtitan_0_3.recipe import load_recipe
+    from titan_upipe.torchtitan_0_3.transforms import loss_config
+    from titan_upipe.transforms.fused_ce import default_chunk_tokens
+
+    spec = job_spec(load_recipe(["--job.config_file", recipe, *overrides]))
+    row = spec.seq_len // spec.layout.cp_degree
+    chunks = loss_config(spec).num_chunks
+    asked = spec.ce_chunk_tokens or default_chunk_tokens(spec.local_batch * row, spec.model.dim, spec.model.vocab)
+    assert row % chunks == 0 and spec.local_batch * row / chunks <= asked
+    validation_chunks = loss_config(spec, spec.seq_len // 2).num_chunks  # and the validation's rows
+    assert row % validation_chunks == 0 and (row // 2) % validation_chunks == 0

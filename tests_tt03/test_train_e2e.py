@@ -131,3 +131,24 @@ def test_qwen3_upipe_matches_one_rank_on_0_3(tmp_path_factory):
     proc = train(2, "configs/debug/qwen3_upipe.toml", cp, seed, "--training.local_batch_size", "2")
     assert "Converted attention to upipe over a CP mesh of 2 ranks" in proc.stdout + proc.stderr
     assert_losses_close(losses(cp), losses(one), rtol=1e-5)
+
+
+def test_a_diverging_learning_rate_stops_the_job_in_one_line_on_0_3(tmp_path):
+    """``training.on_nonfinite = "stop"`` (the default) on 0.3: step 1 is finite and checkpointed, its update
+    (lr = 1e9) leaves the gradient norm NaN at step 2, where the job stops with 0.2's line and status 3;
+    TensorBoard counts the non-finite step."""
+    import re
+
+    from trainer_utils import rank_exit_codes
+
+    out = tmp_path / "run"
+    proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_ulysses.toml", out, "--training.steps", STEPS,
+                    "--optimizer.lr", "1e9", "--checkpoint.enable", "--checkpoint.interval", "1", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and 3 in rank_exit_codes(proc), output[-4000:]
+    lines = [x for x in output.splitlines() if x.startswith("titan_upipe.train: error")]
+    assert lines and all(re.fullmatch(r"titan_upipe.train: error( on rank \d)?: training stopped at step 2: the gradient "
+                                      r"norm is nan .*likely cause: the learning rate, optimizer.lr = 1e\+09.*", x)
+                         for x in lines), output[-4000:]
+    assert not (out / "checkpoint" / "step-2").exists() and (out / "checkpoint" / "step-1").exists()
+    assert read_scalars(out)["health/nonfinite_steps"] == [(1, 0.0), (2, 1.0)]

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from titan_upipe.errors import ConfigError
 from titan_upipe.plan.job import PlanInput
-from titan_upipe.plan.machine import MachineMemory
-from titan_upipe.plan.search import longest_multiple
+from titan_upipe.plan.machine import MachineMemory, checkpoint_staging_bytes, keep_host_budget
+from titan_upipe.plan.search import longest_multiple, size_keep_attention
+from titan_upipe.plan.spec_input import plan_input_from_spec
 from titan_upipe.plan.step import plan
+from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.spec.units import GIB
 
 
@@ -98,3 +101,26 @@ def fit_problem(job: PlanInput, machine: MachineMemory, staging_bytes: int = 0) 
     longest = longest_fitting_length(job, machine, staging_bytes)
     return (f"training.seq_len = {job.seq_len:,} does not fit: {_shortfall(job, fit, machine)}; "
             f"{_fix(job, longest)}")
+
+
+def prepare_spec(spec: JobSpec, machine: MachineMemory) -> tuple[JobSpec, str | None]:
+    """(``spec`` with ``keep_attention = "auto"`` sized for ``machine``, why it does not fit ``machine``
+    or None). What a launch decides before any process group, and what ``validate`` judges for the
+    target machine: the kept blocks and the async checkpoint staging are both in the verdict. A job the
+    planner cannot judge is not refused (None); an ``auto`` keep plan it cannot size is (ConfigError)."""
+    job = replace(plan_input_from_spec(spec, machine.device), gpus_per_node=machine.ranks_per_node)
+    staging = checkpoint_staging_bytes(spec.async_checkpoint, job)
+    if spec.keep_attention != "off" and spec.keep_plan is None:
+        try:
+            keep = size_keep_attention(job, spec.keep_attention, spec.keep_attention_blocks, machine.gpu_bytes,
+                                       keep_host_budget(machine.host_bytes, staging))
+        except ValueError as err:
+            raise ConfigError(f"activation_checkpoint.keep_attention = {spec.keep_attention!r} is sized by the memory "
+                              f"planner, which cannot plan this job ({err}): give keep_attention = \"device\" or "
+                              "\"host\" with keep_attention_blocks = N, or keep_attention = \"off\"") from None
+        spec = replace(spec, keep_plan=keep)
+        job = replace(job, keep_device_blocks=keep.device_blocks, keep_host_blocks=keep.host_blocks)
+    try:
+        return spec, fit_problem(job, machine, staging)
+    except ValueError:  # a setting the planner does not model: the guard never stops what it cannot judge
+        return spec, None

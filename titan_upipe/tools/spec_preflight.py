@@ -12,12 +12,9 @@ checkpoints) are 0.2's validate's alone so far. Exit code 0 when the job can run
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from titan_upipe.adapter import adapter_module
-from titan_upipe.plan.fit import fit_problem
+from titan_upipe.plan.fit import prepare_spec
 from titan_upipe.plan.machine import PLAN_GPU_GIB, MachineMemory
-from titan_upipe.plan.spec_input import plan_input_from_spec
 from titan_upipe.spec.units import GIB
 from titan_upipe.tools.layout_summary import (
     LayoutSummary,
@@ -28,16 +25,13 @@ from titan_upipe.tools.layout_summary import (
 
 
 def memory_problem(spec, world_size: int, device: str, host_bytes: float) -> str | None:
-    """The planner's verdict for ``spec`` on ``device`` (``cuda``: a GPU of ``PLAN_GPU_GIB``; ``cpu``:
-    ``host_bytes`` shared by the node's ranks), up to 8 ranks a node."""
+    """The launch's verdict (``plan.fit.prepare_spec``: kept attention sized, async staging counted) for
+    ``spec`` on ``device`` (``cuda``: a GPU of ``PLAN_GPU_GIB``; ``cpu``: ``host_bytes`` shared by the
+    node's ranks), up to 8 ranks a node."""
     ranks = min(world_size, 8)
     machine = (MachineMemory(PLAN_GPU_GIB * GIB, host_bytes, ranks, "cuda") if device == "cuda" else
                MachineMemory(host_bytes / ranks, host_bytes, ranks, "cpu"))
-    job = replace(plan_input_from_spec(spec, device), gpus_per_node=ranks)
-    try:
-        return fit_problem(job, machine)
-    except ValueError:  # a job the planner does not model: not judged, as the launch does not judge it
-        return None
+    return prepare_spec(spec, machine)[1]
 
 
 def summary(job, world_size: int, device_text: str) -> LayoutSummary:
@@ -64,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     world_size = job.spec.world_size
     device, why = target_device(job.spec.param_dtype, args.device)
     host = args.host_mem * GIB if args.host_mem is not None else float(available_host_memory() or 0)
-    if problem := memory_problem(job.spec, world_size, device, host):
+    try:
+        problem = memory_problem(job.spec, world_size, device, host)
+    except ValueError as err:  # an auto keep plan the planner cannot size
+        problem = str(err)
+    if problem:
         print(f"{args.config}: 1 problem(s) for {world_size} ranks:\n  - {problem}")
         return 1
     print(f"{args.config}: OK for {world_size} ranks")

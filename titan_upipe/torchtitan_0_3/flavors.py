@@ -99,10 +99,11 @@ def _normal(std: float, truncated: bool) -> dict:
 
 
 def debug_model(model_name: str, flavor: str):
-    """A plugin debug flavor as a 0.3 model config: 0.2's model (``torchtitan_0_2.flavors``: the same
+    """A plugin debug flavor as a 0.3 model config: 0.2's model math (``torchtitan_0_2.flavors``: the same
     shapes, norms and RoPE, so a 0.2 checkpoint gives the same losses), separate Q/K/V, SDPA. Llama3:
-    complex RoPE (theta 5e5, Llama 3.1 scaling), norm eps 1e-5, truncated-normal init; Qwen3: QK norms,
-    cos||sin RoPE (theta 1e6), eps 1e-6, normal init."""
+    complex RoPE (theta 5e5, Llama 3.1 scaling), norm eps 1e-5; Qwen3: QK norms, cos||sin RoPE (theta
+    1e6), eps 1e-6. The random init is this flavor's own (std 0.02 for every linear, no depth scaling):
+    runs compared across versions start from one checkpoint."""
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config

@@ -31,11 +31,13 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.models.common.attention import ScaledDotProductAttention
 
+from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.data.tokenizer import embedded_tokenizer_dir
-from titan_upipe.errors import ConfigError
-from titan_upipe.spec.cp_layout import CPMode
+from titan_upipe.errors import ConfigError, with_suggestion
+from titan_upipe.spec.cp_layout import CPMode, check_sequence_length
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3 import torch_compat
 from titan_upipe.torchtitan_0_3.checkpoints import check_checkpoint_version
@@ -47,6 +49,7 @@ from titan_upipe.torchtitan_0_3.prepare import prepare_job
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 from titan_upipe.torchtitan_0_3.transforms import loss_config
 from titan_upipe.torchtitan_common import cpu_runtime
+from titan_upipe.transforms import TRANSFORM_NAMES
 
 
 @dataclass
@@ -56,6 +59,8 @@ class Launch:
     spec: JobSpec
     compute_dtype: torch.dtype
     """The attention inputs' dtype (FSDP's parameter dtype)."""
+    on_nonfinite: str = "stop"
+    """``training.on_nonfinite``: what a step with a NaN or infinite loss or gradient norm does."""
     cp_mesh: DeviceMesh | None = None
     """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
     process groups exist; None without CP."""
@@ -78,24 +83,90 @@ def check_world_size(parallelism, world_size: int) -> None:
                           f"{others} ranks, or set the degrees to multiply to {world_size}")
 
 
+UNHOSTED_DEFAULTS = {"metrics.progress_after_seconds": ("metrics", "progress_after_seconds"),
+                     "metrics.log_all_ranks": ("metrics", "log_all_ranks")}
+"""The plugin's fields 0.3 does not act on yet: refused unless at their defaults (never dropped silently)."""
+
+
+def _unhosted(what: str, valid: str) -> ConfigError:
+    return ConfigError(f"{what} is not run on TorchTitan 0.3 yet: valid values there are {valid}; drop it or run on "
+                       "TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+
+
 def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
-    """ConfigError naming the first setting of the job that TorchTitan 0.3 does not host yet."""
+    """ConfigError naming the first setting of the job that TorchTitan 0.3 does not host yet (or that its
+    launch would refuse only after the process groups started)."""
+    cp_modes = [m.value for m in CPMode if m is not CPMode.TSP]
     for name in recipe.converters:
         if name in NOT_HOSTED_YET:
             raise ConfigError(f"model.converters = [{name!r}] ({NOT_HOSTED_YET[name]}) is not run on TorchTitan 0.3 yet: "
-                              f"valid converters on 0.3 are {', '.join(m.value for m in CPMode if m is not CPMode.TSP)}; "
-                              "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+                              f"valid converters on 0.3 are {', '.join(cp_modes + list(TRANSFORM_NAMES))}; drop it or "
+                              "run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+        if name not in (*cp_modes, *TRANSFORM_NAMES):
+            raise ConfigError(with_suggestion(f"unknown model.converters entry {name!r}: valid converters on TorchTitan "
+                                              f"0.3 are {', '.join(cp_modes + list(TRANSFORM_NAMES))}", name,
+                                              [*cp_modes, *TRANSFORM_NAMES]))
     if spec.optimizer_state_on_host:
-        raise ConfigError("optimizer.state_on_host is not run on TorchTitan 0.3 yet: valid values there are false; "
-                          "drop it or run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
+        raise _unhosted("optimizer.state_on_host", "false")
+    for key, (section, name) in UNHOSTED_DEFAULTS.items():
+        value, default = getattr(recipe.plugin[section], name), getattr(type(recipe.plugin[section])(), name)
+        if value != default:
+            raise _unhosted(f"{key} = {value!r}", f"its default ({default!r})")
+    if spec.fused_rope and spec.layout.mode is None:
+        raise ConfigError("fused_rope on TorchTitan 0.3 rotates Q/K in place inside the plugin's context-parallel "
+                          "attention: add a CP converter (ulysses, upipe, ring, usp) to model.converters, or drop "
+                          "fused_rope")
+    if spec.cpu_offload and spec.ac_mode != "full":
+        raise ConfigError(f"activation_checkpoint.cpu_offload checkpoints whole blocks: valid modes with it are "
+                          f"\"full\", got {spec.ac_mode!r}")
     if spec.keep_attention != "off" and (spec.layout.mode is None or not spec.cpu_offload):
         raise ConfigError("activation_checkpoint.keep_attention keeps the plugin's context-parallel attention inside "
                           "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp) and "
                           "activation_checkpoint.cpu_offload = true; else set keep_attention = \"off\"")
     check_dataset(recipe.trainer.dataloader.dataset)
-    if recipe.trainer.validator.enable:
-        check_dataset(recipe.trainer.validator.dataloader.dataset, "validation.dataset")
+    check_validation(recipe.trainer, spec)
     check_checkpoint_version(recipe.trainer)
+
+
+def check_torchtitan_settings(config, spec: JobSpec) -> None:
+    """What 0.3's own trainer would refuse, or the plugin not run, once its process groups started: tensor
+    and pipeline parallelism, compile, its ``seq_len % (2 x cp)`` rule."""
+    parallelism = config.parallelism
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree"):
+        if getattr(parallelism, key, 1) != 1:
+            raise _unhosted(f"parallelism.{key} = {getattr(parallelism, key)}", "1 (context parallelism and FSDP)")
+    if config.compile.enable:
+        raise _unhosted("compile.enable", "false")
+    cp = parallelism.context_parallel_degree
+    if cp > 1 and config.training.seq_len % (2 * cp):
+        raise ConfigError(f"training.seq_len = {config.training.seq_len} is not divisible by 2 x "
+                          f"context_parallel_degree = {2 * cp}, which TorchTitan 0.3 requires of every CP job: use a "
+                          f"multiple of {2 * cp}")
+
+
+def check_validation(trainer, spec: JobSpec) -> None:
+    """``[validation]`` as the 0.3 validator runs it: the plugin's datasets, the tokenizer the training uses,
+    at most the training's length (the RoPE table's), split as the layout splits."""
+    validator = trainer.validator
+    if not validator.enable:
+        return
+    loader = validator.dataloader
+    check_dataset(loader.dataset, "validation.dataset")
+    if validator.steps < 1:
+        raise ConfigError(f"validation.steps = {validator.steps}: valid values are a positive number of steps")
+    if (loader.dataset in SYNTHETIC_DATASETS) != (trainer.dataloader.dataset in SYNTHETIC_DATASETS):
+        raise ConfigError(f"validation.dataset = {loader.dataset!r} and training.dataset = "
+                          f"{trainer.dataloader.dataset!r} use different tokenizers (the synthetic datasets bring "
+                          "their own): validate on a dataset of the training's kind")
+    if loader.dataset == LOCAL_TEXT_DATASET and not loader.paths:
+        raise ConfigError("validation.dataset = 'local_text' reads validation.dataset_path: set it to the held-out "
+                          "files' glob (e.g. \"/data/val/*.jsonl\")")
+    seq_len = validator.validation_seq_len or spec.seq_len
+    if seq_len > spec.seq_len:
+        raise ConfigError(f"validation.seq_len = {seq_len} is longer than training.seq_len = {spec.seq_len} (the "
+                          f"RoPE table's length): valid values are at most {spec.seq_len}")
+    if spec.layout.mode is not None:
+        check_sequence_length(seq_len, spec.layout.ring_degree, spec.layout.ulysses_degree, "validation.seq_len")
 
 
 def apply_plugin_settings(trainer, recipe: Recipe) -> None:
@@ -106,10 +177,29 @@ def apply_plugin_settings(trainer, recipe: Recipe) -> None:
     local = recipe.plugin["local_data"]
     trainer.dataloader = GlobalBatchDataLoader.Config(dataset=dataset, paths=list(local.paths), text_key=local.text_key,
                                                       skip_bad_records=local.skip_bad_records)
+    validation = trainer.validator.dataloader
+    validation.text_key, validation.skip_bad_records = local.text_key, local.skip_bad_records
     if dataset in SYNTHETIC_DATASETS:
         trainer.hf_assets_path = embedded_tokenizer_dir()
     if any(name in (m.value for m in CPMode) for name in recipe.converters):
         with_separate_qkv(trainer.model_spec.model)
+    else:  # 0.3's flavors attend with flex masks built from per-document positions, which the plugin's loader,
+        causal_sdpa(trainer.model_spec.model)  # causal rows as on 0.2, does not give: SDPA, causal
+
+
+def causal_sdpa(model_config) -> None:
+    """Every block's inner attention as 0.3's causal SDPA (the plugin's debug flavors have it already)."""
+    for layer in model_config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def fit_rope(config) -> None:
+    """Each attention's RoPE table at least ``training.seq_len`` long: 0.3 refuses a longer sequence than a
+    flavor's ``max_seq_len`` (131072 for Llama3) after the process groups started; 0.2 sized its table to
+    the sequence."""
+    for layer in config.model_spec.model.layers:
+        rope = layer.attention.rope
+        rope.max_seq_len = max(rope.max_seq_len, config.training.seq_len)
 
 
 def launch_of(config) -> Launch:
@@ -118,12 +208,14 @@ def launch_of(config) -> Launch:
     recipe = dataclasses.replace(config.recipe, trainer=config)
     spec = job_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     check_world_size(config.parallelism, spec.world_size)
+    check_torchtitan_settings(config, spec)
     check_hosted(recipe, spec)
+    fit_rope(config)
     spec = prepare_job(spec)  # kept attention sized for this machine, the memory guard
     cpu_runtime.activate()  # TorchTitan picks CUDA at import; on a machine without one, the CPU and gloo
     torch_compat.activate()  # TorchTitan 0.3.0 calls a torch function 2.11 and 2.13 lack
     register_model_classes()
-    config.loss = loss_config(spec)
-    return Launch(spec, TORCH_DTYPE_MAP[spec.param_dtype])
+    config.loss = loss_config(spec, config.validator.validation_seq_len if config.validator.enable else 0)
+    return Launch(spec, TORCH_DTYPE_MAP[spec.param_dtype], recipe.plugin["training"].on_nonfinite)
 
 

@@ -14,9 +14,12 @@ import sys
 import torch
 from torchtitan.tools.logging import init_logger
 
-from titan_upipe.errors import ConfigError, exit_once
+from titan_upipe.errors import ConfigError, TrainingStopped, exit_once
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 from titan_upipe.torchtitan_0_3.trainer import ContextParallelTrainer, plugin_config
+
+TRAINING_STOPPED_STATUS = 3
+"""The exit status of a run that ``training.on_nonfinite = "stop"`` ended (as on 0.2)."""
 
 
 def build_trainer(argv: list[str]) -> ContextParallelTrainer:
@@ -38,6 +41,8 @@ def train_main(argv: list[str] | None = None) -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
         else:
             trainer.train()
+    except TrainingStopped as stopped:  # a non-finite step under training.on_nonfinite = "stop": one line
+        raise exit_once("titan_upipe.train", str(stopped), TRAINING_STOPPED_STATUS) from None
     finally:
         trainer.close()
         if torch.distributed.is_initialized():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3.flavors import flavor_model_dims
-from titan_upipe.torchtitan_0_3.job import check_hosted, check_world_size
+from titan_upipe.torchtitan_0_3.job import check_hosted, check_torchtitan_settings, check_world_size
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 
@@ -41,5 +41,6 @@ def checked_job(argv: list[str], world_size: int | None = None) -> CheckedJob:
     recipe = load_recipe(argv)
     spec = job_spec(recipe, world_size)
     check_world_size(recipe.trainer.parallelism, spec.world_size)
+    check_torchtitan_settings(recipe.trainer, spec)
     check_hosted(recipe, spec)
     return CheckedJob(spec, recipe.model_name, recipe.flavor, recipe.converters)

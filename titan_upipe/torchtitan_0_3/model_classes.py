@@ -18,8 +18,9 @@ forward                     ``(x, freqs_cis, masks, positions)``          ``(x, 
 =========================== ============================================= =========================
 
 The converted attention (:class:`ContextParallelGQAttention`) keeps ``qkv_linear``, ``wo``, the QK
-norms and ``rope`` as its own children, so parameter names, state dicts, FSDP units and 0.3's
-``init_states`` (which recomputes ``rope.cache`` after ``to_empty``) are unchanged.
+norms and ``rope`` as its own children, in the source's order, and is a 0.3 ``Module`` itself: parameter
+names, state dicts, FSDP units and 0.3's ``init_states`` (its order of draws, and ``rope.cache``
+recomputed after ``to_empty``) are the unconverted model's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Decoder, FeedForward, TransformerBlock
 from torchtitan.models.common.attention import GQAttention
+from torchtitan.protocols.module import Module
 
 from titan_upipe.attention.keep import KeptAttention
 from titan_upipe.attention.model_protocol import MODEL_CLASSES, ModelClasses, ModelFamily
@@ -73,7 +75,7 @@ def compact_rope(rope: nn.Module) -> nn.Module:
     return rope
 
 
-class ContextParallelGQAttention(ContextParallelAttention):
+class ContextParallelGQAttention(ContextParallelAttention, Module):
     """The core's CP attention with 0.3's forward signature: the RoPE table is the module's own
     ``rope.cache`` (``[S, D/2]`` complex or ``[S, 2D]`` cos||sin, for the global positions), or, with
     a compact RoPE, the rows of this call's positions built from its inverse frequencies."""

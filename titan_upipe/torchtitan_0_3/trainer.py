@@ -18,6 +18,8 @@
   ``n_tokens_seen``           the global batch's tokens of every step so far, the same number on
                               every rank (a checkpoint resumes under any layout)
   ``throughput(tps)``         0.3's: the rank's whole batch / (time x C), per device
+  ``health/nonfinite_steps``  the non-finite steps so far (``training.on_nonfinite``:
+                              ``torchtitan_common.health``, decided before the optimizer step)
   =========================== ==============================================================
 """
 
@@ -41,6 +43,7 @@ from titan_upipe.torchtitan_0_3.cp_inputs import shard_for_attention
 from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
+from titan_upipe.torchtitan_common.health import NONFINITE_TAG, NonFiniteGuard, global_step_values
 
 
 class ContextParallelTrainer(Trainer):
@@ -66,6 +69,8 @@ class ContextParallelTrainer(Trainer):
         super().__init__(config)
         if config.validator.enable:
             self.validator.launch = launch  # the validation batches in the attention's layout
+        self.health = NonFiniteGuard(launch.on_nonfinite, float(self.lr_schedulers.schedulers[0].base_lrs[0]),
+                                     self.checkpointer)
 
     def init_distributed(self):
         parallel_dims = super().init_distributed()
@@ -108,13 +113,21 @@ class ContextParallelTrainer(Trainer):
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        if not self.metrics_processor.should_log(self.step):
-            return
-        avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
-        self.metrics_processor.log(self.step, avg_loss, max_loss, float(grad_norm.item()),
-                                   extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
+        values = global_step_values(self.step, torch.stack(losses).sum(), grad_norm, lr)
+        action = self.health.action(values)  # training.on_nonfinite, the same on every rank
+        if action in (None, "warn"):
+            self.optimizers.step()
+            self.lr_schedulers.step()
+        else:  # skip_step, stop: the update would carry NaN or inf into the weights
+            self.optimizers.zero_grad()
+        if action is not None or self.metrics_processor.should_log(self.step):
+            avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
+            self.metrics_processor.log(self.step, avg_loss, max_loss, values.grad_norm,
+                                       extra_metrics={"n_tokens_seen": self.ntokens_seen,
+                                                      NONFINITE_TAG: self.health.nonfinite_steps, **lr_metrics})
+        if action == "stop":
+            raise self.health.stopped(values)
 
     def _reduce_losses(self, loss: torch.Tensor, global_valid: torch.Tensor, batch_valid: torch.Tensor
                        ) -> tuple[float, float]:

@@ -65,12 +65,8 @@ def apply_transforms(model, spec: JobSpec) -> None:
     if spec.tiled_rmsnorm:
         n = tile_rms_norms(model, spec.rmsnorm_tile_tokens, RMSNorm, tiled_titan_norm)
         logger.info("tiled_rmsnorm: %d norms, tile %s tokens", n, spec.rmsnorm_tile_tokens or "d_model")
-    if spec.fused_rope:
+    if spec.fused_rope:  # a CP attention in every block (job.check_hosted)
         for block in model.layers.values():
-            if not hasattr(block.attention, "in_place_rope"):
-                raise ConfigError("fused_rope on TorchTitan 0.3 rotates Q/K in place inside the plugin's "
-                                  "context-parallel attention: add a CP converter (ulysses, upipe, ring, usp) to "
-                                  "model.converters, or drop fused_rope")
             block.attention.in_place_rope = True
             compact_rope(block.attention.rope)
         logger.info("fused_rope: Q/K rotated in place, RoPE rows built per batch for its positions (no full-length "
@@ -79,10 +75,7 @@ def apply_transforms(model, spec: JobSpec) -> None:
 
 def apply_checkpointing(model, spec: JobSpec, ac_config, dump_folder: str) -> None:
     """Offloaded checkpointing of every block where ``cpu_offload`` is set, else 0.3's AC policy."""
-    if spec.cpu_offload:
-        if spec.ac_mode != "full":
-            raise ConfigError(f"activation_checkpoint.cpu_offload checkpoints whole blocks: valid modes with it are "
-                              f"\"full\", got {spec.ac_mode!r}")
+    if spec.cpu_offload:  # with full AC (job.check_hosted)
         keep = spec.keep_plan or NO_KEEP
         apply_offloaded_ac(model, spec.pin_memory, spec.prefetch_after_attention, spec.resident_blocks, keep)
         logger.info("offloaded checkpointing: %d blocks, inputs to host memory (pinned: %s), %s", len(model.layers),
@@ -91,16 +84,23 @@ def apply_checkpointing(model, spec: JobSpec, ac_config, dump_folder: str) -> No
         ac_config.build(dump_folder=dump_folder).apply(model)
 
 
-def loss_config(spec: JobSpec):
-    """The loss of the job: 0.3's cross-entropy over the whole logits, or chunked under ``fused_ce``."""
+def loss_config(spec: JobSpec, validation_seq_len: int = 0):
+    """The loss of the job: 0.3's cross-entropy over the whole logits, or chunked under ``fused_ce``.
+
+    0.3's ``ChunkedLossWrapper`` splits each row's ``S/C`` tokens into ``num_chunks`` equal parts: the
+    count is the smallest that divides the training's and the validation's ``S/C`` with chunks of at
+    most ``ce_chunk_tokens`` tokens (0: the core's default size)."""
     if not spec.fused_ce:
         return CrossEntropyLoss.Config()
     if spec.ce_backend == "liger":
         raise ConfigError("transforms.ce_backend = 'liger' is not run on TorchTitan 0.3 (fused_ce there is its chunked "
                           "loss, with torch's cross-entropy): valid values on 0.3 are auto, torch")
-    tokens = spec.local_batch * spec.seq_len // max(spec.layout.cp_degree, 1)
-    chunk = spec.ce_chunk_tokens or default_chunk_tokens(tokens, spec.model.dim, spec.model.vocab)
-    chunks = max(1, math.ceil(tokens / chunk))
-    logger.info("fused_ce: TorchTitan 0.3's chunked loss, %d chunks of up to %d tokens (no [S, vocab] logits)", chunks,
-                chunk)
+    cp = max(spec.layout.cp_degree, 1)
+    row = spec.seq_len // cp
+    rows = math.gcd(row, (validation_seq_len or spec.seq_len) // cp)
+    chunk = spec.ce_chunk_tokens or default_chunk_tokens(spec.local_batch * row, spec.model.dim, spec.model.vocab)
+    least = max(1, math.ceil(spec.local_batch * row / chunk))
+    chunks = next(n for n in range(least, rows + 1) if rows % n == 0) if least <= rows else rows
+    logger.info("fused_ce: TorchTitan 0.3's chunked loss, %d chunks of %d tokens (no [S, vocab] logits)", chunks,
+                spec.local_batch * row // chunks)
     return ChunkedLossWrapper.Config(num_chunks=chunks)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 from titan_upipe.data.local_text import LOCAL_TEXT_DATASET, expand_paths
 from titan_upipe.errors import ConfigError, with_suggestion
@@ -31,6 +30,7 @@ from titan_upipe.torchtitan_0_2.job_assets.model_state import (
     describe_mismatch,
     job_model_state,
 )
+from titan_upipe.torchtitan_common.checkpoint_folders import saved_steps, step_folders
 
 FULL_CHECKPOINT_KEYS = ("optimizer", "train_state", "dataloader")
 LOADABLE_STATES = ("model", *NON_MODEL_STATES)
@@ -43,25 +43,10 @@ def checkpoint_folder(job_config) -> str:
     return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
 
 
-def _step_folders(folder: str) -> dict[int, str]:
-    """``step-N`` folders in ``folder`` by N (TorchTitan's naming)."""
-    found = {}
-    for path in glob.glob(os.path.join(folder, "step-*")):
-        match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
-        if match and os.path.isdir(path):
-            found[int(match.group(1))] = path
-    return found
-
-
-def saved_steps(folder: str) -> list[int]:
-    """The ``step-N`` DCP checkpoints in ``folder`` (a ``.metadata`` written), oldest first."""
-    return sorted(step for step, path in _step_folders(folder).items() if os.path.isfile(os.path.join(path, ".metadata")))
-
-
 def partial_steps(folder: str) -> list[int]:
     """``step-N`` folders TorchTitan skips: neither ``.metadata`` nor a Hugging Face index (a save
     cut short)."""
-    return sorted(step for step, path in _step_folders(folder).items()
+    return sorted(step for step, path in step_folders(folder).items()
                   if not any(os.path.isfile(os.path.join(path, f)) for f in (".metadata", HF_INDEX)))
 
 
@@ -227,7 +212,7 @@ def _check_no_stale_folder(job_config, path: str, setting: str) -> bool:
     folder = checkpoint_folder(job_config)
     if not os.path.isdir(folder):
         return False
-    if len(partial_steps(folder)) < len(_step_folders(folder)):
+    if len(partial_steps(folder)) < len(step_folders(folder)):
         return True
     partial = partial_steps(folder)
     held = f"only save(s) cut short: step {', '.join(map(str, partial))}" if partial else "no checkpoint"
