@@ -71,7 +71,7 @@ def test_every_module_of_the_0_3_adapter_imports_on_torchtitan_0_3():
 
 
 
-@pytest.mark.parametrize("command", ["check", "gpu_suite"])
+@pytest.mark.parametrize("command", ["check", "gpu_suite", "emulate"])
 def test_a_command_0_3_does_not_run_yet_is_one_line_and_status_2(command):
     import subprocess
     import sys

@@ -133,27 +133,30 @@ the tools' own, in ``titan_upipe.toolkit.memory_tracker``; the communication cou
 ``attention_comm_bytes``, ``recompute_fraction``) in ``titan_upipe.costs.attention_comm``.
 """
 
-from titan_upipe.costs.attention_comm import CommBytes, attention_comm_bytes, recompute_fraction
-from titan_upipe.emulate.extrapolate import (
-    FullModelEstimate,
-    StateBytes,
-    StepCosts,
-    StepPeaks,
-    StepTimes,
-    extrapolate_layers,
-)
-from titan_upipe.emulate.measure import DEFAULT_A2A_GBPS, GB, ModeledComm, StepMeasurement, measure_step
-from titan_upipe.emulate.series import StepSeries
-from titan_upipe.emulate.step import PHASES, StepResult
-from titan_upipe.toolkit.memory_tracker import StepTracker, storage_bytes
-from titan_upipe.torchtitan_0_2.rank_model import (
-    RankModel,
-    TrainingRank,
-    build_parallel_dims,
-    build_rank_model,
-    build_training_rank,
-    rank_device,
-)
+import importlib
+
+_HOMES = {
+    "titan_upipe.costs.attention_comm": ("CommBytes", "attention_comm_bytes", "recompute_fraction"),
+    "titan_upipe.emulate.extrapolate": ("FullModelEstimate", "StateBytes", "StepCosts", "StepPeaks", "StepTimes",
+                                        "extrapolate_layers"),
+    "titan_upipe.emulate.measure": ("DEFAULT_A2A_GBPS", "GB", "ModeledComm", "StepMeasurement", "measure_step"),
+    "titan_upipe.emulate.series": ("StepSeries",),
+    "titan_upipe.emulate.step": ("PHASES", "StepResult"),
+    "titan_upipe.toolkit.memory_tracker": ("StepTracker", "storage_bytes"),
+    "titan_upipe.torchtitan_0_2.rank_model": ("RankModel", "TrainingRank", "build_parallel_dims", "build_rank_model",
+                                              "build_training_rank", "rank_device"),
+}
+"""Where each name of the package lives. Imported at first use (PEP 562), so that importing the package,
+as ``python -m titan_upipe.emulate`` does before its ``__main__``, imports no TorchTitan: on a version
+whose adapter has no emulator, the command says so in one line (``adapter.run_command``)."""
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _HOME_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME_OF[name]), name)
+
 
 __all__ = [
     "DEFAULT_A2A_GBPS",
