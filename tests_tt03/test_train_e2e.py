@@ -152,3 +152,24 @@ def test_a_diverging_learning_rate_stops_the_job_in_one_line_on_0_3(tmp_path):
                          for x in lines), output[-4000:]
     assert not (out / "checkpoint" / "step-2").exists() and (out / "checkpoint" / "step-1").exists()
     assert read_scalars(out)["health/nonfinite_steps"] == [(1, 0.0), (2, 1.0)]
+
+
+def test_a_checkpoint_resumes_under_another_layout_on_0_3(llama3_seed, llama3_one_rank, tmp_path):
+    """Ulysses on 2 ranks saves step 2; the ring on 2 ranks resumes it (the model, AdamW, the LR schedule and
+    the data loader's one global cursor) and trains step 3 with the one-rank run's loss and token count."""
+    import shutil
+
+    first, resumed = tmp_path / "ulysses", tmp_path / "ring"
+    torchrun(2, "titan_upipe.train", "configs/debug/llama3_ulysses.toml", first, "--training.steps", STEPS,
+             "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.initial_load_path",
+             str(llama3_seed), "--checkpoint.interval", "2")  # saves, unlike load_seed's load_only
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(first / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_ring.toml", resumed, "--training.steps", STEPS,
+                    "--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2",
+                    "--checkpoint.enable")
+    assert "Converted attention to ring" in proc.stdout + proc.stderr
+    scalars = read_scalars(resumed)
+    assert [s for s, _ in scalars["loss_metrics/global_avg_loss"]] == [3]
+    assert_losses_close(losses(resumed), losses(llama3_one_rank)[2:], rtol=1e-5)
+    assert scalars["n_tokens_seen"] == [(3, 3 * GLOBAL_BATCH * SEQ)]
