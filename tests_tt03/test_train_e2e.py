@@ -13,7 +13,7 @@ nothing.
 from __future__ import annotations
 
 import pytest
-from on_0_2 import REFERENCE_BATCH, REFERENCE_STEPS
+from on_0_2 import DOCS_ARGS, REFERENCE_BATCH, REFERENCE_STEPS
 from trainer_utils import (
     assert_losses_close,
     create_seed_checkpoint,
@@ -95,6 +95,24 @@ def test_a_0_2_checkpoint_trains_on_0_3_as_on_0_2(on_0_2, llama3_one_rank):
     reference = losses(on_0_2["one_rank"])
     assert len(reference) == int(STEPS)
     assert_losses_close(losses(llama3_one_rank), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/debug/llama3_upipe.toml", ()),
+    ("configs/debug/llama3_ring.toml", ("--parallelism.context_parallel_degree", "2", "--upipe.document_min_split", "64")),
+], ids=["upipe-cp2", "ring-cp2-document-layout"])
+def test_packed_documents_train_on_0_3_as_on_0_2(on_0_2, llama3_seed, tmp_path, config, overrides):
+    """Packed documents (``debug_flex`` on ``synthetic_docs``: each document ends at EOS and attends within
+    itself, RoPE positions through the row) under UPipe and under the ring's document-aware layout on 0.3,
+    from the converted 0.2.2 seed: training and validation losses equal TorchTitan 0.2.2's one rank, whose
+    attention is its own flex document mask."""
+    proc = train(2, config, tmp_path, llama3_seed, *DOCS_ARGS, *overrides)
+    log = proc.stdout + proc.stderr
+    assert "Converted attention to" in log
+    reference = on_0_2["docs_one_rank"]
+    assert len(losses(reference)) == int(STEPS)
+    assert_losses_close(losses(tmp_path), losses(reference), rtol=1e-5)
+    assert_losses_close(losses(tmp_path, VALIDATION_LOSS), losses(reference, "validation_metrics/loss"), rtol=1e-5)
 
 
 def test_memory_transforms_and_offloaded_checkpointing_match_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path):

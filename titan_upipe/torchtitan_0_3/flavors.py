@@ -56,9 +56,17 @@ def family_module(model_name: str):
     return importlib.import_module(f"torchtitan.models.{FAMILIES[model_name]}")
 
 
-DEBUG_SHAPES = {"debug": 2, "debug_mha": 8, "debug_kv4": 4}
+DEBUG_SHAPES = {"debug": 2, "debug_mha": 8, "debug_kv4": 4, "debug_flex": 2}
 """The plugin's debug flavors on 0.3: name -> KV heads (of 8 query heads; the rest as 0.2's)."""
-QWEN3_DEBUG_FLAVORS = ("debug",)
+QWEN3_DEBUG_FLAVORS = ("debug", "debug_flex")
+DOCUMENT_FLAVORS = ("debug_flex",)
+"""Flavors whose rows are packed documents (0.2's ``attn_mask_type = "block_causal"``): each ends at the
+tokenizer's EOS, attends within itself; RoPE positions run through the row, as on 0.2. The plugin's CP
+attention applies the documents (``cp_inputs``); 0.3's own attention does not, so these need a CP mode."""
+
+
+def packs_documents(flavor: str) -> bool:
+    return flavor in DOCUMENT_FLAVORS
 
 
 def debug_flavors(model_name: str) -> tuple[str, ...]:

@@ -60,6 +60,8 @@ class Launch:
     compute_dtype: torch.dtype
     """The attention inputs' dtype (FSDP's parameter dtype)."""
     on_nonfinite: str = "stop"
+    eos_id: int | None = None
+    """The token that ends a packed document (the tokenizer's EOS) where the flavor packs documents."""
     """``training.on_nonfinite``: what a step with a NaN or infinite loss or gradient norm does."""
     cp_mesh: DeviceMesh | None = None
     """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
@@ -119,6 +121,10 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
     if spec.cpu_offload and spec.ac_mode != "full":
         raise ConfigError(f"activation_checkpoint.cpu_offload checkpoints whole blocks: valid modes with it are "
                           f"\"full\", got {spec.ac_mode!r}")
+    if spec.documents and spec.layout.mode is None:
+        raise ConfigError(f"model.flavor = {recipe.flavor!r} packs documents, which the plugin's context-parallel "
+                          "attention applies on TorchTitan 0.3: add a CP converter (ulysses, upipe, ring, usp) to "
+                          "model.converters, or use a causal flavor (debug)")
     if spec.keep_attention != "off" and (spec.layout.mode is None or not spec.cpu_offload):
         raise ConfigError("activation_checkpoint.keep_attention keeps the plugin's context-parallel attention inside "
                           "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp) and "

@@ -5,8 +5,8 @@ The model's shape comes from the ``ModelSpec`` the recipe's flavor gave (``flavo
 is built here once (the 0.2 adapter's job checks build its own), and the settings come from the
 recipe's stock fields and the plugin's sections, read with the same pure functions as on 0.2
 (``spec.cp_layout.cp_mode``, ``spec.keep_attention.keep_setting_of`` and ``stated_plan``).
-Packed documents: 0.3's flavors carry no ``attn_mask_type`` and the plugin's 0.3 data loaders do not
-exist yet, so a 0.3 spec is causal (``documents = False``; issue 44).
+Packed documents: the plugin's ``debug_flex`` flavors (``flavors.DOCUMENT_FLAVORS``); TorchTitan's flavors
+carry no ``attn_mask_type`` and run causal rows, as on 0.2.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from titan_upipe.spec.cp_layout import CPLayout, cp_mode
 from titan_upipe.spec.job_spec import JobSpec, degrees_world_size, section_fields, writes_async_checkpoints
 from titan_upipe.spec.keep_attention import keep_setting_of, stated_plan
-from titan_upipe.torchtitan_0_3.flavors import model_dims_from_config
+from titan_upipe.torchtitan_0_3.flavors import model_dims_from_config, packs_documents
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 
 
@@ -38,7 +38,7 @@ def job_spec(recipe: Recipe, world_size: int | None = None) -> JobSpec:
     return JobSpec(
         model=model, seq_len=trainer.training.seq_len, local_batch=trainer.training.local_batch_size,
         world_size=degrees_world_size(trainer.parallelism) if world_size is None else world_size,
-        layout=recipe_layout(recipe), documents=False, rope_tables=model.n_layers,
+        layout=recipe_layout(recipe), documents=packs_documents(recipe.flavor), rope_tables=model.n_layers,
         param_dtype=trainer.training.mixed_precision_param, reduce_dtype=trainer.training.mixed_precision_reduce,
         keep_attention=where, keep_attention_blocks=blocks, keep_plan=stated_plan(where, blocks),
         async_checkpoint=writes_async_checkpoints(checkpoint.enable, checkpoint.async_mode),

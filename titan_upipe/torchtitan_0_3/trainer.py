@@ -39,7 +39,7 @@ from torchtitan.trainer import Trainer
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.parallel.mesh import layout_mesh
-from titan_upipe.torchtitan_0_3.cp_inputs import shard_for_attention
+from titan_upipe.torchtitan_0_3.cp_inputs import document_eos_id, shard_for_attention
 from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
@@ -67,6 +67,8 @@ class ContextParallelTrainer(Trainer):
         self.launch = launch = launch_of(config)  # the job checked before any process group
         config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
         super().__init__(config)
+        if launch.spec.documents:
+            launch.eos_id = document_eos_id(self.tokenizer)
         if config.validator.enable:
             self.validator.launch = launch  # the validation batches in the attention's layout
         self.health = NonFiniteGuard(launch.on_nonfinite, float(self.lr_schedulers.schedulers[0].base_lrs[0]),
