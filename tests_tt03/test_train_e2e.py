@@ -191,3 +191,24 @@ def test_a_checkpoint_resumes_under_another_layout_on_0_3(llama3_seed, llama3_on
     assert [s for s, _ in scalars["loss_metrics/global_avg_loss"]] == [3]
     assert_losses_close(losses(resumed), losses(llama3_one_rank)[2:], rtol=1e-5)
     assert scalars["n_tokens_seen"] == [(3, 3 * GLOBAL_BATCH * SEQ)]
+
+
+def test_torchtitans_own_entry_point_trains_a_registered_recipe(llama3_seed, llama3_one_rank, tmp_path):
+    """``torchtitan.train --module titan_upipe.torchtitan_0_3 --config debug_llama3_upipe`` (0.3's own launch,
+    on torchrun: it reads ``sys.argv`` when imported) trains the plugin's job, TorchTitan's flags applied:
+    UPipe on 2 ranks, the one-rank losses."""
+    import os
+    import subprocess
+    import sys
+
+    from trainer_utils import REPO
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "torchtitan.train",
+           "--module", "titan_upipe.torchtitan_0_3", "--config", "debug_llama3_upipe", "--dump_folder", str(tmp_path),
+           "--training.steps", STEPS, "--training.local_batch_size", str(GLOBAL_BATCH), "--checkpoint.enable",
+           "--checkpoint.initial_load_path", str(llama3_seed), "--checkpoint.load_only"]
+    env = {**os.environ, "TITAN_UPIPE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Converted attention to upipe over a CP mesh of 2 ranks" in proc.stdout + proc.stderr
+    assert_losses_close(losses(tmp_path), losses(llama3_one_rank), rtol=1e-5)
