@@ -12,7 +12,8 @@ a ``Trainer.Config`` field      ``STOCK_KEYS`` (0.2 name -> 0.3 path: ``training
 read here                       ``model.name/flavor/converters`` (0.3 fixes the model in Python:
                                 ``flavors.model_spec``), ``optimizer.name/lr`` (an AdamW param group,
                                 0.2's defaults), ``activation_checkpoint.mode/selective_ac_option``
-                                (0.3's AC policy classes)
+                                (0.3's AC policy classes), ``[validation]`` (0.3's validator with
+                                the plugin's sizes and loader: ``validation.LayoutValidator``)
 a plugin section or field       ``spec.sections`` (``[upipe]``, ``[tsp]``, ``[transforms]``,
                                 ``[local_data]``; the plugin fields of ``[activation_checkpoint]``,
                                 ``[optimizer]``, ``[training]``, ``[metrics]``): validated by the
