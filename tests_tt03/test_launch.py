@@ -51,6 +51,24 @@ def test_what_0_3_does_not_host_is_refused_by_name():
         "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
 
 
+def test_torchtitans_own_flags_the_plugin_does_not_run_are_refused():
+    """Set through ``torchtitan.train``'s flags on a registered recipe's config: refused by ``build()`` before
+    any process group (``job.check_torchtitan_settings``)."""
+    from titan_upipe.torchtitan_0_3.recipe import load_recipe
+    from titan_upipe.torchtitan_0_3.trainer import plugin_config
+
+    for setting, value, message in (("compile", "enable", "compile.enable is not run on TorchTitan 0.3 yet"),
+                                    ("parallelism", "tensor_parallel_degree",
+                                     "parallelism.tensor_parallel_degree = 2 is not run on TorchTitan 0.3 yet"),
+                                    ("training", "seq_len", "training.seq_len = 514 is not divisible by 2 x "
+                                                            "context_parallel_degree = 4")):
+        config = plugin_config(load_recipe(["--job.config_file", "configs/debug/llama3_upipe.toml"]))
+        setattr(getattr(config, setting), value, {"enable": True, "tensor_parallel_degree": 2, "seq_len": 514}[value])
+        with pytest.raises(ConfigError, match=message):
+            config.build()
+        assert not dist.is_initialized()
+
+
 def test_degrees_that_do_not_make_the_launch_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert refusal("configs/debug/llama3_upipe.toml").startswith(

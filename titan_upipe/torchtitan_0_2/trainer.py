@@ -37,10 +37,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed._functional_collectives import all_reduce
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
@@ -57,6 +55,7 @@ from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_0_2.health import NONFINITE_TAG, build_guard, global_step_values
 from titan_upipe.torchtitan_0_2.launched_job import launched_job
 from titan_upipe.torchtitan_0_2.progress import build_step_progress
+from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -151,7 +150,8 @@ class ContextParallelTrainer(Trainer):
         # A non-finite step is always logged, so that the dashboard marks it (health/nonfinite_steps).
         if action is None and not self.metrics_processor.should_log(self.step):
             return
-        avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
+        avg_loss, max_loss = reduce_step_losses(self.parallel_dims, torch.stack(losses).sum(), global_valid,
+                                                   batch_valid)
         self.metrics_processor.log(self.step, avg_loss, max_loss, values.grad_norm,
                                    extra_metrics={"n_tokens_seen": self.ntokens_seen, "lr": lr,
                                                   NONFINITE_TAG: self.health.nonfinite_steps, **phase_times})
@@ -159,15 +159,3 @@ class ContextParallelTrainer(Trainer):
         if action == "stop":
             raise self.health.stopped(values)
 
-    def _reduce_losses(self, loss: torch.Tensor, global_valid, batch_valid: torch.Tensor) -> tuple[float, float]:
-        """(global mean, max over data-parallel batches of the batch mean) from this rank's
-        ``loss = L_{d,c} / Σ_d N_d``."""
-        batch_loss = loss
-        if self.parallel_dims.cp_enabled:
-            batch_loss = all_reduce(loss, "sum", self.parallel_dims.get_mesh("cp"))
-        batch_mean = batch_loss * global_valid / batch_valid
-        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
-        if loss_mesh is None:
-            return loss.item(), batch_mean.item()
-        # Every CP rank of a batch holds the same batch mean: the max over the loss mesh is over batches.
-        return dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(batch_mean, loss_mesh)

@@ -10,12 +10,12 @@ groups started, so the launch refuses it here with the conversion that moves its
 from __future__ import annotations
 
 import os
-import re
 
 from torch.distributed.checkpoint import FileSystemReader
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.spec.checkpoint_keys import written_by
+from titan_upipe.torchtitan_common.checkpoint_folders import saved_steps
 
 
 def checkpoint_to_load(trainer) -> str | None:
@@ -24,10 +24,9 @@ def checkpoint_to_load(trainer) -> str | None:
     if not ckpt.enable:
         return None
     folder = os.path.join(trainer.dump_folder, ckpt.folder)
-    steps = {int(m.group(1)): os.path.join(folder, name) for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-             if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.exists(os.path.join(folder, name, ".metadata"))}
+    steps = saved_steps(folder)
     if steps:
-        return steps.get(ckpt.load_step, steps[max(steps)]) if ckpt.load_step != -1 else steps[max(steps)]
+        return os.path.join(folder, f"step-{ckpt.load_step if ckpt.load_step in steps else steps[-1]}")
     if ckpt.initial_load_path and not ckpt.initial_load_in_hf:
         return ckpt.initial_load_path
     return None

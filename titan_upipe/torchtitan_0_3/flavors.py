@@ -79,8 +79,7 @@ def debug_flavors(model_name: str) -> tuple[str, ...]:
 def model_flavors(model_name: str) -> dict:
     """The flavors of ``model_name``: its family's ``<family>_configs`` (name -> config function), and
     the plugin's debug flavors for the plugin's names."""
-    stock = getattr(family_module(model_name), f"{FAMILIES[model_name]}_configs")
-    return {**stock, **{flavor: partial(debug_model, model_name, flavor) for flavor in debug_flavors(model_name)}}
+    return {**family_configs(model_name), **{flavor: partial(debug_model, model_name, flavor) for flavor in debug_flavors(model_name)}}
 
 
 def model_spec(model_name: str, flavor: str):

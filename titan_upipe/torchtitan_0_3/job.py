@@ -37,7 +37,7 @@ from titan_upipe.data.local_text import LOCAL_TEXT_DATASET
 from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.data.tokenizer import embedded_tokenizer_dir
 from titan_upipe.errors import ConfigError, with_suggestion
-from titan_upipe.spec.cp_layout import CPMode, check_sequence_length
+from titan_upipe.spec.cp_layout import CPMode, check_sequence_length, cp_mode
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3 import torch_compat
 from titan_upipe.torchtitan_0_3.checkpoints import check_checkpoint_version
@@ -60,9 +60,9 @@ class Launch:
     compute_dtype: torch.dtype
     """The attention inputs' dtype (FSDP's parameter dtype)."""
     on_nonfinite: str = "stop"
+    """``training.on_nonfinite``: what a step with a NaN or infinite loss or gradient norm does."""
     eos_id: int | None = None
     """The token that ends a packed document (the tokenizer's EOS) where the flavor packs documents."""
-    """``training.on_nonfinite``: what a step with a NaN or infinite loss or gradient norm does."""
     cp_mesh: DeviceMesh | None = None
     """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
     process groups exist; None without CP."""
@@ -187,7 +187,7 @@ def apply_plugin_settings(trainer, recipe: Recipe) -> None:
     validation.text_key, validation.skip_bad_records = local.text_key, local.skip_bad_records
     if dataset in SYNTHETIC_DATASETS:
         trainer.hf_assets_path = embedded_tokenizer_dir()
-    if any(name in (m.value for m in CPMode) for name in recipe.converters):
+    if cp_mode(list(recipe.converters)) is not None:
         with_separate_qkv(trainer.model_spec.model)
     else:  # 0.3's flavors attend with flex masks built from per-document positions, which the plugin's loader,
         causal_sdpa(trainer.model_spec.model)  # causal rows as on 0.2, does not give: SDPA, causal
@@ -208,14 +208,21 @@ def fit_rope(config) -> None:
         rope.max_seq_len = max(rope.max_seq_len, config.training.seq_len)
 
 
+def checked_spec(recipe: Recipe, world_size: int | None) -> JobSpec:
+    """The recipe's ``JobSpec`` on ``world_size`` ranks (None: the configured degrees' product) once every
+    pre-launch check passed (ConfigError: the first that fails). The launch and ``validate`` both run these."""
+    spec = job_spec(recipe, world_size)
+    check_world_size(recipe.trainer.parallelism, spec.world_size)
+    check_torchtitan_settings(recipe.trainer, spec)
+    check_hosted(recipe, spec)
+    return spec
+
+
 def launch_of(config) -> Launch:
     """The launch's job of a plugin trainer's ``config`` (its ``recipe`` with the config as it stands now),
     checked for this launch's ranks (``WORLD_SIZE``) before any process group; sets the config's loss."""
     recipe = dataclasses.replace(config.recipe, trainer=config)
-    spec = job_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
-    check_world_size(config.parallelism, spec.world_size)
-    check_torchtitan_settings(config, spec)
-    check_hosted(recipe, spec)
+    spec = checked_spec(recipe, int(os.environ.get("WORLD_SIZE", "1")))
     fit_rope(config)
     spec = prepare_job(spec)  # kept attention sized for this machine, the memory guard
     cpu_runtime.activate()  # TorchTitan picks CUDA at import; on a machine without one, the CPU and gloo

@@ -5,7 +5,7 @@ call (``titan_upipe.adapter.adapter_module("load_job")``).
   what ``plan`` reads; :func:`flavor_model_dims`: ``plan --model <name>:<flavor>``.
 * :func:`checked_job`: the spec of a job the 0.3 launch would start, with what ``validate`` prints
   beside it; a setting 0.3 does not host yet is refused as the launch refuses it
-  (``job.check_world_size``, ``job.check_hosted``).
+  (``job.checked_spec``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.torchtitan_0_3.flavors import flavor_model_dims
-from titan_upipe.torchtitan_0_3.job import check_hosted, check_torchtitan_settings, check_world_size
+from titan_upipe.torchtitan_0_3.job import checked_spec
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 
@@ -39,8 +39,4 @@ def checked_job(argv: list[str], world_size: int | None = None) -> CheckedJob:
     """The job of a recipe as the 0.3 launch checks it before any process group (ConfigError: the
     first problem, worded as the launch words it)."""
     recipe = load_recipe(argv)
-    spec = job_spec(recipe, world_size)
-    check_world_size(recipe.trainer.parallelism, spec.world_size)
-    check_torchtitan_settings(recipe.trainer, spec)
-    check_hosted(recipe, spec)
-    return CheckedJob(spec, recipe.model_name, recipe.flavor, recipe.converters)
+    return CheckedJob(checked_spec(recipe, world_size), recipe.model_name, recipe.flavor, recipe.converters)

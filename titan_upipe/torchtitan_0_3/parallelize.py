@@ -26,7 +26,6 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
 from titan_upipe.attention.module import convert_attention_of_blocks
-from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import LayoutCheck
 from titan_upipe.torchtitan_0_3.transforms import apply_checkpointing, apply_transforms
 from titan_upipe.torchtitan_common import cpu_runtime
@@ -51,8 +50,7 @@ def convert_cp_attention(model, launch) -> None:
 
 def parallelize(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder, launch):
     """0.3's ``parallelize_fn`` for the plugin's jobs (module docstring)."""
-    if compile_config.enable:
-        raise ConfigError("compile.enable is not run by titan_upipe on TorchTitan 0.3 yet: valid values are false")
+    del compile_config  # compile.enable is refused before launch (job.check_torchtitan_settings)
     if launch.cp_mesh is not None:
         convert_cp_attention(model, launch)
     apply_transforms(model, launch.spec)

@@ -44,6 +44,7 @@ from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 from titan_upipe.torchtitan_common.health import NONFINITE_TAG, NonFiniteGuard, global_step_values
+from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
 
 class ContextParallelTrainer(Trainer):
@@ -124,26 +125,13 @@ class ContextParallelTrainer(Trainer):
         else:  # skip_step, stop: the update would carry NaN or inf into the weights
             self.optimizers.zero_grad()
         if action is not None or self.metrics_processor.should_log(self.step):
-            avg_loss, max_loss = self._reduce_losses(torch.stack(losses).sum(), global_valid, batch_valid)
+            avg_loss, max_loss = reduce_step_losses(self.parallel_dims, torch.stack(losses).sum(), global_valid,
+                                                       batch_valid)
             self.metrics_processor.log(self.step, avg_loss, max_loss, values.grad_norm,
                                        extra_metrics={"n_tokens_seen": self.ntokens_seen,
                                                       NONFINITE_TAG: self.health.nonfinite_steps, **lr_metrics})
         if action == "stop":
             raise self.health.stopped(values)
-
-    def _reduce_losses(self, loss: torch.Tensor, global_valid: torch.Tensor, batch_valid: torch.Tensor
-                       ) -> tuple[float, float]:
-        """(global mean, max over data-parallel batches of the batch mean) from this rank's
-        ``loss = L_{d,c} / Σ_d N_d``."""
-        batch_loss = loss
-        if self.parallel_dims.cp_enabled:
-            batch_loss = dist_utils.dist_sum_tensor(loss, self.parallel_dims.get_mesh("cp"))
-        batch_mean = batch_loss * global_valid / batch_valid
-        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
-        if loss_mesh is None:
-            return loss.item(), batch_mean.item()
-        # Every CP rank of a batch holds the same batch mean: the max over the loss mesh is over batches.
-        return dist_utils.dist_sum(loss, loss_mesh), dist_utils.dist_max(batch_mean, loss_mesh)
 
 
 def plugin_config(recipe: Recipe) -> ContextParallelTrainer.Config:
