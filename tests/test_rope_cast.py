@@ -3,7 +3,8 @@
 FSDP2's ``MixedPrecisionPolicy`` casts a module's floating-point forward inputs to the parameter
 dtype by default. Qwen3's RoPE table is fp32 ``cos||sin`` ``[S, 2D]`` (with ``fused_rope`` this
 rank's rows ``[T, 2D]``), so every block got a bf16 copy of it, and under offloaded full AC every
-block kept its copy to its backward. ``parallelize.apply_fsdp`` turns the cast off for the blocks.
+block kept its copy to its backward. ``parallelize.apply_fsdp`` (``torchtitan_common.fsdp.shard_decoder``)
+turns the cast off for the blocks.
 The "cast" variant below is FSDP's default restored (``cast_forward_inputs=True`` for every
 group): the code before the fix, as far as the blocks' inputs go.
 
@@ -41,8 +42,8 @@ import json, sys
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.emulate import measure_step
-from titan_upipe.torchtitan_0_2 import parallelize
 from titan_upipe.torchtitan_0_2.config_parse import parse_config
+from titan_upipe.torchtitan_common import fsdp
 
 tables = []  # the RoPE table every attention call receives from its block
 attention_forward = ContextParallelAttention.forward
@@ -56,8 +57,8 @@ out = []
 for spec in json.loads(sys.argv[1]):
     result = {}
     for variant in ("fixed", "cast"):
-        parallelize.MixedPrecisionPolicy = (MixedPrecisionPolicy if variant == "fixed" else
-                                            lambda **kw: MixedPrecisionPolicy(**{**kw, "cast_forward_inputs": True}))
+        fsdp.MixedPrecisionPolicy = (MixedPrecisionPolicy if variant == "fixed" else
+                                     lambda **kw: MixedPrecisionPolicy(**{**kw, "cast_forward_inputs": True}))
         tables.clear()
         m = measure_step(parse_config(spec["args"]), 2, fake=True, time_attention=False, n_layers=spec["layers"])
         result[variant] = {"total": m.total_peak_bytes, "forward": m.phase_peak_bytes["forward"],

@@ -405,7 +405,7 @@ def _clip_across_meshes(rank, world, mesh):
 
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
+    from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 
     ring = mesh._unflatten(0, (world,), ("ring",))  # a second mesh over the same ranks, as tsp builds
     full_a, full_b = torch.arange(8.0).reshape(4, 2), torch.full((6,), 3.0)

@@ -28,11 +28,9 @@ def refusal(*args: str) -> str:
 
 
 def test_what_0_3_does_not_host_is_refused_by_name():
-    assert refusal("configs/debug/tsp.toml", "--parallelism.context_parallel_degree", "2").startswith(
-        "model.converters = ['tsp'] (TSP) is not run on TorchTitan 0.3 yet: valid converters on 0.3 are ulysses, "
-        "upipe, ring, usp")
-    assert "optimizer.state_on_host is not run on TorchTitan 0.3 yet" in refusal(
-        "configs/debug/llama3_upipe.toml", "--optimizer.state_on_host")
+    assert refusal("configs/debug/llama3_upipe.toml", "--optimizer.state_on_host", "--optimizer.implementation",
+                   "fused_opt_states_bf16").startswith("optimizer.state_on_host = true keeps fp32 moments in host "
+                                                       "memory: valid optimizer.implementation values with it are")
     assert "keep_attention keeps the plugin's context-parallel attention inside offloaded checkpointing" in refusal(
         "configs/debug/llama3_upipe.toml", "--activation_checkpoint.keep_attention", "device")
     assert "validation.steps = -1 (every sample) never ends on the plugin's datasets" in refusal(
@@ -40,7 +38,7 @@ def test_what_0_3_does_not_host_is_refused_by_name():
     assert refusal("configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1").startswith(
         "validation.dataset = 'c4_validation' is not read by titan_upipe on TorchTitan 0.3 yet")
     assert refusal("configs/debug/llama3_upipe.toml", "--model.converters", "upipe", "float8").startswith(
-        "unknown model.converters entry 'float8': valid converters on TorchTitan 0.3 are ulysses, upipe, ring, usp, "
+        "unknown model.converters entry 'float8': valid converters on TorchTitan 0.3 are ulysses, upipe, ring, usp, tsp, "
         "tiled_mlp")
     assert "validation.seq_len = 1024 is longer than training.seq_len = 512" in refusal(
         "configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1", "--validation.dataset",
@@ -49,6 +47,26 @@ def test_what_0_3_does_not_host_is_refused_by_name():
         "configs/debug/llama3_upipe.toml", "--metrics.log_all_ranks")
     assert "transforms.ce_backend = 'liger' is not run on TorchTitan 0.3" in refusal(
         "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
+
+
+def test_tsp_settings_it_does_not_run_are_refused_before_launch():
+    """The rules both versions share (``spec.tsp_shards.tsp_job_problems``), and 0.3's own: every problem of a
+    job in one message."""
+    tsp = ("configs/debug/tsp.toml", "--parallelism.context_parallel_degree", "2")
+    message = refusal(*tsp, "--tsp.kv_heads_per_bucket", "3", "--model.converters", "tsp", "fused_rope")
+    assert message.startswith("tsp.kv_heads_per_bucket = 3 does not divide the 2 KV heads per rank")
+    assert "; model.converters has 'tsp' and 'fused_rope': tsp rotates Q/K with the model's full RoPE table" in message
+    assert "packs documents; TSP attention is causal over the whole sequence" in refusal(*tsp, "--model.flavor",
+                                                                                        "debug_flex")
+    assert "optimizer.state_on_host with tsp is not supported yet" in refusal(*tsp, "--optimizer.state_on_host")
+    from titan_upipe.torchtitan_0_3.recipe import load_recipe
+    from titan_upipe.torchtitan_0_3.trainer import plugin_config
+
+    config = plugin_config(load_recipe(["--job.config_file", *tsp]))
+    config.training.enable_cpu_offload = True  # torchtitan.train's flag (no recipe key on 0.3)
+    with pytest.raises(ConfigError, match="training.enable_cpu_offload with tsp is not supported"):
+        config.build()
+    assert not dist.is_initialized()
 
 
 def test_torchtitans_own_flags_the_plugin_does_not_run_are_refused():

@@ -1,6 +1,6 @@
 """The debug recipes train on TorchTitan 0.3 (``python -m titan_upipe.train``, the ranks on gloo) with the
-losses of a one-rank run on 0.3, for every CP mode the 0.3 adapter runs: Ulysses, ring, UPipe, USP and
-UPipe inside USP; Llama3 and Qwen3.
+losses of a one-rank run on 0.3, for every CP mode: Ulysses, ring, UPipe, USP, UPipe inside USP and TSP;
+Llama3 and Qwen3.
 
 Every run starts from one seed checkpoint, written by TorchTitan 0.2.2's trainer and converted to
 0.3's key names (``tools.checkpoint_convert``), so the layouts start from the same weights and the
@@ -58,28 +58,40 @@ def llama3_one_rank(llama3_seed, tmp_path_factory):
     return out
 
 
+def converted(mode: str, ranks: int, mesh: str) -> str:
+    return f"Converted attention to {mode} over a CP mesh of {ranks} ranks ({mesh})"
+
+
 CP_CASES = [
-    # (config, ranks, CP mode, what the conversion log shows, overrides): a global batch of 4 sequences each
-    ("configs/debug/llama3_ulysses.toml", 2, "ulysses", "{'cp': 2}", ("--training.local_batch_size", "4")),
-    ("configs/debug/llama3_ring.toml", 2, "ring", "{'ring': 2}",
+    # (config, ranks, what the conversion logs, overrides): a global batch of 4 sequences each
+    ("configs/debug/llama3_ulysses.toml", 2, [converted("ulysses", 2, "{'cp': 2}")],
+     ("--training.local_batch_size", "4")),
+    ("configs/debug/llama3_ring.toml", 2, [converted("ring", 2, "{'ring': 2}")],
      ("--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2")),
     # U = 4 of 8 heads over 2 ranks: two stages
-    ("configs/debug/llama3_upipe.toml", 2, "upipe", "{'cp': 2}",
+    ("configs/debug/llama3_upipe.toml", 2, [converted("upipe", 2, "{'cp': 2}")],
      ("--training.local_batch_size", "4", "--upipe.heads_per_stage", "4")),
-    ("configs/debug/llama3_usp.toml", 4, "usp", "{'ring': 2, 'ulysses': 2}", ("--training.local_batch_size", "4")),
-    # UPipe's stages, each a ring over 2, on the 2-D (ring, ulysses) mesh
-    ("configs/debug/llama3_upipe_usp.toml", 4, "upipe", "{'ring': 2, 'ulysses': 2}",
+    ("configs/debug/llama3_usp.toml", 4, [converted("usp", 4, "{'ring': 2, 'ulysses': 2}")],
      ("--training.local_batch_size", "4")),
+    # UPipe's stages, each a ring over 2, on the 2-D (ring, ulysses) mesh
+    ("configs/debug/llama3_upipe_usp.toml", 4, [converted("upipe", 4, "{'ring': 2, 'ulysses': 2}")],
+     ("--training.local_batch_size", "4")),
+    # TSP: the blocks' 7 weights each (2 blocks) DTensors sharded over the 2 CP ranks, outside FSDP; zigzag
+    # tokens; GQA 8 / 2
+    ("configs/debug/tsp.toml", 2, ["Converted attention and feed-forward to TSP over 2 ranks",
+                                   "every parameter but the 14 TSP-sharded weights"],
+     ("--training.local_batch_size", "4", "--parallelism.context_parallel_degree", "2", "--model.flavor", "debug")),
 ]
 
 
-@pytest.mark.parametrize("config, ranks, mode, mesh, overrides", CP_CASES,
-                         ids=["ulysses-cp2", "ring-cp2", "upipe-cp2-u4", "usp-r2u2", "upipe-in-usp-r2u2"])
-def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path, config, ranks, mode, mesh,
+@pytest.mark.parametrize("config, ranks, logged, overrides", CP_CASES,
+                         ids=["ulysses-cp2", "ring-cp2", "upipe-cp2-u4", "usp-r2u2", "upipe-in-usp-r2u2", "tsp-cp2"])
+def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, tmp_path, config, ranks, logged,
                                                   overrides):
     proc = train(ranks, config, tmp_path, llama3_seed, *overrides, *VALIDATION)
     log = proc.stdout + proc.stderr
-    assert f"Converted attention to {mode} over a CP mesh of {ranks} ranks ({mesh})" in log
+    for line in logged:
+        assert line in log, line
     reference = losses(llama3_one_rank)
     assert len(reference) == int(STEPS)
     assert_losses_close(losses(tmp_path), reference, rtol=1e-5)
@@ -173,14 +185,19 @@ def test_a_diverging_learning_rate_stops_the_job_in_one_line_on_0_3(tmp_path):
 
 
 def test_a_checkpoint_resumes_under_another_layout_on_0_3(llama3_seed, llama3_one_rank, tmp_path):
-    """Ulysses on 2 ranks saves step 2; the ring on 2 ranks resumes it (the model, AdamW, the LR schedule and
-    the data loader's one global cursor) and trains step 3 with the one-rank run's loss and token count."""
+    """Ulysses on 2 ranks, AdamW's moments in host memory (``optimizer.state_on_host``), trains with the one-rank
+    losses and saves step 2; the ring on 2 ranks resumes it with 0.3's own AdamW (the model, AdamW's state, the
+    LR schedule and the data loader's one global cursor) and trains step 3 with the one-rank run's loss and
+    token count."""
     import shutil
 
     first, resumed = tmp_path / "ulysses", tmp_path / "ring"
-    torchrun(2, "titan_upipe.train", "configs/debug/llama3_ulysses.toml", first, "--training.steps", STEPS,
-             "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.initial_load_path",
-             str(llama3_seed), "--checkpoint.interval", "2")  # saves, unlike load_seed's load_only
+    proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_ulysses.toml", first, "--training.steps", STEPS,
+                    "--training.local_batch_size", "4", "--optimizer.state_on_host", "--checkpoint.enable",
+                    "--checkpoint.initial_load_path", str(llama3_seed),
+                    "--checkpoint.interval", "2")  # saves, unlike load_seed's load_only
+    assert "AdamW moments in host memory (optimizer.state_on_host)" in proc.stdout + proc.stderr
+    assert_losses_close(losses(first), losses(llama3_one_rank), rtol=1e-5)
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(first / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
     proc = torchrun(2, "titan_upipe.train", "configs/debug/llama3_ring.toml", resumed, "--training.steps", STEPS,

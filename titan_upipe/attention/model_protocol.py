@@ -104,6 +104,8 @@ class ModelFamily:
     converted_attention: type[nn.Module] | None = None
     """The class the family's attention converts to (a subclass of the core's
     ``ContextParallelAttention`` with the family's forward signature); None: the core's class."""
+    converted_tsp_attention: type[nn.Module] | None = None
+    """The same under TSP (a subclass of ``tsp.modules.TSPAttention``); None: the core's class."""
 
     def classes(self) -> tuple[type[nn.Module], ...]:
         return tuple(value for f in fields(self) if isinstance(value := getattr(self, f.name), type))

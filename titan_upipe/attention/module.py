@@ -74,6 +74,8 @@ class AttentionSpec:
     kept_children: tuple[str, ...] = ()
     converted_class: type[nn.Module] | None = None
     """The family's ``ContextParallelAttention`` subclass (None: this module's class)."""
+    converted_tsp_class: type[nn.Module] | None = None
+    """The family's ``TSPAttention`` subclass (None: the core's)."""
 
     @property
     def shared_submodules(self) -> tuple[str, ...]:
@@ -116,6 +118,7 @@ class AttentionSpec:
             projection_paths=family.projection_paths,
             kept_children=family.kept_children,
             converted_class=family.converted_attention,
+            converted_tsp_class=family.converted_tsp_attention,
         )
 
 

@@ -201,7 +201,7 @@ def modeled_comm(job_config, model: torch.nn.Module, elem_size: int, a2a_gbps: f
     recompute = recompute_fraction(job_config.activation_checkpoint)
     kept = sum(getattr(block, "keep", None) is not None for block in model.layers.values())
     if isinstance(module, TSPAttention):  # broadcasts, all-gathers, reduces and the MLP ring: the exact count
-        volumes = layer_comm_bytes(module.shards, module.wq.weight.shape[1], job_config.training.local_batch_size,
+        volumes = layer_comm_bytes(module.shards, module.projections()["wq"].weight.shape[1], job_config.training.local_batch_size,
                                    job_config.training.seq_len, elem_size)
         return ModeledComm(0.0, 0.0, tsp_step_bytes(volumes, len(modules), recompute, kept), a2a_gbps, p2p_gbps,
                            module)

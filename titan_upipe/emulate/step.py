@@ -28,10 +28,10 @@ from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import prepare_cp_batch
 from titan_upipe.toolkit.memory_tracker import StepTracker, storage_bytes
 from titan_upipe.toolkit.packed_documents import packed_document_tokens
-from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_0_2.launched_job import LaunchedJob, launched_job
 from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
 from titan_upipe.torchtitan_0_2.rank_model import TrainingRank
+from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 Tensor = torch.Tensor

@@ -68,6 +68,39 @@ def bucket_problems(n_kv_heads: int, degree: int, kv_heads_per_bucket: int) -> l
             f"{[k for k in range(1, kv_per_rank + 1) if kv_per_rank % k == 0]}"]
 
 
+TSP_CONFLICTS = {
+    "tiled_mlp": "tsp replaces the feed-forward by its weight ring (already F/D wide per step)",
+    "fused_rope": "tsp rotates Q/K with the model's full RoPE table",
+}
+"""Converters ``tsp`` does not compose with, and why."""
+
+
+def tsp_job_problems(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, *, kv_heads_per_bucket: int,
+                     converters: list[str], data_parallel: int | None, param_offload: bool,
+                     state_on_host: bool) -> list[str]:
+    """Every reason a job cannot run ``model.converters = ["tsp"]`` at ``degree`` (the CP degree), each
+    with the fix, as both adapters' pre-launch checks word them: the degree splits the query heads, the
+    KV heads and the FFN width (:func:`tsp_problems`), ``[tsp] kv_heads_per_bucket`` fits, nothing it does
+    not compose with is set. ``data_parallel``: the ranks reading different batches (None: the degrees do
+    not fit the world size, reported elsewhere); ``param_offload``: ``training.enable_cpu_offload``.
+    Sequence lengths (multiples of ``2 D``) are ``CPLayout``'s."""
+    problems = tsp_problems(n_heads, n_kv_heads, ffn_dim, degree)
+    problems += bucket_problems(n_kv_heads, degree, kv_heads_per_bucket)
+    problems += [f"model.converters has 'tsp' and {name!r}: {why}; remove {name!r}"
+                 for name, why in TSP_CONFLICTS.items() if name in converters]
+    if data_parallel not in (None, 1):
+        problems.append("tsp shards the blocks' weights over the CP ranks; data parallelism on top (FSDP of those "
+                        "shards over more ranks) is not built yet: set parallelism.data_parallel_shard_degree = 1 "
+                        "and data_parallel_replicate_degree = 1 (world size = context_parallel_degree)")
+    if param_offload:
+        problems.append("training.enable_cpu_offload with tsp is not supported (FSDP's parameter offload does not "
+                        "manage the TSP-sharded weights): set training.enable_cpu_offload = false")
+    if state_on_host:
+        problems.append("optimizer.state_on_host with tsp is not supported yet (its sharded weights are DTensors "
+                        "on the TSP mesh, not FSDP shards): set optimizer.state_on_host = false")
+    return problems
+
+
 def check_tsp_degree(n_heads: int, n_kv_heads: int, ffn_dim: int, degree: int, seq_len: int | None = None) -> None:
     problems = tsp_problems(n_heads, n_kv_heads, ffn_dim, degree, seq_len)
     if problems:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_compile, disable_fsdp_gradient_division
+from torchtitan.models.llama3.infra.parallelize import apply_compile
 from torchtitan.tools.logging import logger
 
 from titan_upipe.spec.keep_attention import KeepAttentionPlan
@@ -39,6 +38,7 @@ from titan_upipe.torchtitan_0_2.config import (
     plugin_fields,
 )
 from titan_upipe.torchtitan_common import cpu_runtime
+from titan_upipe.torchtitan_common.fsdp import shard_decoder
 from titan_upipe.transforms.offload import apply_offloaded_ac
 from titan_upipe.tsp.modules import tsp_sharded_parameters
 
@@ -105,7 +105,8 @@ def agreed_keep_plan(job_config) -> KeepAttentionPlan:
 
 def apply_fsdp(model: nn.Module, mesh, job_config: JobConfig,
                ignored_params: set[nn.Parameter] | None = None) -> None:
-    """FSDP2 over ``mesh`` as TorchTitan's ``apply_fsdp`` wraps a Llama3/Qwen3 model: the embedding,
+    """FSDP2 over ``mesh`` as TorchTitan's ``apply_fsdp`` wraps a Llama3/Qwen3 model
+    (``torchtitan_common.fsdp.shard_decoder``): the embedding,
     each block, the final norm with the output (resharded after forward only with policy
     ``always``), the root; ``training.mixed_precision_*`` dtypes, ``training.enable_cpu_offload``,
     ``parallelism.fsdp_reshard_after_forward`` (no pipeline parallelism: ``default`` reshards).
@@ -126,18 +127,7 @@ def apply_fsdp(model: nn.Module, mesh, job_config: JobConfig,
     if policy not in ("default", "always", "never"):
         raise ConfigError(f"parallelism.fsdp_reshard_after_forward = {policy!r}: valid values are default, always, "
                           "never")
-    reshard = policy != "never"
-    dtypes = {"param_dtype": TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-              "reduce_dtype": TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]}
-    config = {"mesh": mesh, "ignored_params": ignored_params, "mp_policy": MixedPrecisionPolicy(**dtypes)}
-    if job_config.training.enable_cpu_offload:
-        config["offload_policy"] = CPUOffloadPolicy()
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, **config, reshard_after_forward=reshard)
-    block_policy = MixedPrecisionPolicy(**dtypes, cast_forward_inputs=False)
-    for block in model.layers.values():
-        fully_shard(block, **{**config, "mp_policy": block_policy}, reshard_after_forward=reshard)
-    if model.norm is not None and model.output is not None:
-        fully_shard([model.norm, model.output], **config, reshard_after_forward=policy == "always")
-    fully_shard(model, **config)
-    disable_fsdp_gradient_division(model)
+    shard_decoder(model, mesh, [model.norm, model.output],
+                  param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+                  reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce], policy=policy,
+                  cpu_offload=job_config.training.enable_cpu_offload, ignored_params=ignored_params)

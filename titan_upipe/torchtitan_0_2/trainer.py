@@ -51,10 +51,10 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
     global_valid_tokens,
     shard_batch,
 )
-from titan_upipe.torchtitan_0_2.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_0_2.health import NONFINITE_TAG, build_guard, global_step_values
 from titan_upipe.torchtitan_0_2.launched_job import launched_job
 from titan_upipe.torchtitan_0_2.progress import build_step_progress
+from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]

@@ -16,6 +16,8 @@ setting                     why
 ``disable_cuda_graphs``     true: the attention's collectives and host checks are not capturable
 ``dataloader``              the plugin's global-batch loader (``data``), the recipe's dataset
 ``hf_assets_path``          the embedded tokenizer for the synthetic datasets
+``optimizer``               with ``[optimizer] state_on_host``, the container of AdamW with its
+                            moments in host memory (``optimizers.HostStateOptimizers``)
 ``loss``                    cross-entropy over the whole logits (0.2's loss), chunked under
                             ``fused_ce`` (``transforms.loss_config``)
 ``model_spec``              separate Q/K/V under a CP mode (``flavors.with_separate_qkv``)
@@ -39,12 +41,14 @@ from titan_upipe.data.tokenizer import embedded_tokenizer_dir
 from titan_upipe.errors import ConfigError, with_suggestion
 from titan_upipe.spec.cp_layout import CPMode, check_sequence_length, cp_mode
 from titan_upipe.spec.job_spec import JobSpec
+from titan_upipe.spec.tsp_shards import tsp_job_problems
 from titan_upipe.torchtitan_0_3 import torch_compat
 from titan_upipe.torchtitan_0_3.checkpoints import check_checkpoint_version
 from titan_upipe.torchtitan_0_3.data import GlobalBatchDataLoader, check_dataset
 from titan_upipe.torchtitan_0_3.flavors import with_separate_qkv
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
 from titan_upipe.torchtitan_0_3.model_classes import register_model_classes
+from titan_upipe.torchtitan_0_3.optimizers import check_host_state, host_state_optimizers
 from titan_upipe.torchtitan_0_3.prepare import prepare_job
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 from titan_upipe.torchtitan_0_3.transforms import loss_config
@@ -66,10 +70,6 @@ class Launch:
     cp_mesh: DeviceMesh | None = None
     """The CP attention's mesh (``parallel.layout_mesh`` of TorchTitan's ``cp`` mesh): set once the
     process groups exist; None without CP."""
-
-
-NOT_HOSTED_YET = {"tsp": "TSP"}
-"""``model.converters`` that run on TorchTitan 0.2.2 only so far (issue 44)."""
 
 
 def check_world_size(parallelism, world_size: int) -> None:
@@ -98,18 +98,15 @@ def _unhosted(what: str, valid: str) -> ConfigError:
 def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
     """ConfigError naming the first setting of the job that TorchTitan 0.3 does not host yet (or that its
     launch would refuse only after the process groups started)."""
-    cp_modes = [m.value for m in CPMode if m is not CPMode.TSP]
+    converters = [m.value for m in CPMode] + list(TRANSFORM_NAMES)
     for name in recipe.converters:
-        if name in NOT_HOSTED_YET:
-            raise ConfigError(f"model.converters = [{name!r}] ({NOT_HOSTED_YET[name]}) is not run on TorchTitan 0.3 yet: "
-                              f"valid converters on 0.3 are {', '.join(cp_modes + list(TRANSFORM_NAMES))}; drop it or "
-                              "run on TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
-        if name not in (*cp_modes, *TRANSFORM_NAMES):
+        if name not in converters:
             raise ConfigError(with_suggestion(f"unknown model.converters entry {name!r}: valid converters on TorchTitan "
-                                              f"0.3 are {', '.join(cp_modes + list(TRANSFORM_NAMES))}", name,
-                                              [*cp_modes, *TRANSFORM_NAMES]))
+                                              f"0.3 are {', '.join(converters)}", name, converters))
+    if spec.mode is CPMode.TSP:
+        check_tsp(recipe, spec)
     if spec.optimizer_state_on_host:
-        raise _unhosted("optimizer.state_on_host", "false")
+        check_host_state(recipe.trainer.optimizer)
     for key, (section, name) in UNHOSTED_DEFAULTS.items():
         value, default = getattr(recipe.plugin[section], name), getattr(type(recipe.plugin[section])(), name)
         if value != default:
@@ -127,11 +124,30 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
                           "model.converters, or use a causal flavor (debug)")
     if spec.keep_attention != "off" and (spec.layout.mode is None or not spec.cpu_offload):
         raise ConfigError("activation_checkpoint.keep_attention keeps the plugin's context-parallel attention inside "
-                          "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp) and "
+                          "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp, tsp) and "
                           "activation_checkpoint.cpu_offload = true; else set keep_attention = \"off\"")
     check_dataset(recipe.trainer.dataloader.dataset)
     check_validation(recipe.trainer, spec)
     check_checkpoint_version(recipe.trainer)
+
+
+def check_tsp(recipe: Recipe, spec: JobSpec) -> None:
+    """``model.converters = ["tsp"]``: the rules both versions share (``spec.tsp_shards.tsp_job_problems``),
+    then what 0.3's models add: no packed documents, no tied embeddings (every problem in one ConfigError)."""
+    model, trainer = spec.model, recipe.trainer
+    problems = tsp_job_problems(model.n_heads, model.n_kv_heads, model.ffn_dim, spec.cp_degree,
+                                kv_heads_per_bucket=spec.tsp_kv_heads_per_bucket, converters=list(recipe.converters),
+                                data_parallel=spec.world_size // spec.cp_degree,
+                                param_offload=trainer.training.enable_cpu_offload,
+                                state_on_host=spec.optimizer_state_on_host)
+    if spec.documents:
+        problems.append(f"model.flavor = {recipe.flavor!r} packs documents; TSP attention is causal over the whole "
+                        "sequence (no document masks yet): use a causal flavor (e.g. debug)")
+    if model.tied:
+        problems.append(f"model.flavor = {recipe.flavor!r} ties the embedding and the output weights, which the TSP "
+                        "job's FSDP wrapping keeps apart: use a flavor without weight tying")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def check_torchtitan_settings(config, spec: JobSpec) -> None:
@@ -187,6 +203,8 @@ def apply_plugin_settings(trainer, recipe: Recipe) -> None:
     validation.text_key, validation.skip_bad_records = local.text_key, local.skip_bad_records
     if dataset in SYNTHETIC_DATASETS:
         trainer.hf_assets_path = embedded_tokenizer_dir()
+    if recipe.plugin["optimizer"].state_on_host:
+        trainer.optimizer = host_state_optimizers(trainer.optimizer)
     if cp_mode(list(recipe.converters)) is not None:
         with_separate_qkv(trainer.model_spec.model)
     else:  # 0.3's flavors attend with flex masks built from per-document positions, which the plugin's loader,

@@ -37,6 +37,7 @@ from titan_upipe.attention.module import ContextParallelAttention
 from titan_upipe.attention.projection import RotaryKind
 from titan_upipe.errors import ConfigError
 from titan_upipe.transforms.rope import inverse_frequencies, local_rope_inputs
+from titan_upipe.tsp.modules import TSPAttention
 
 Tensor = torch.Tensor
 
@@ -75,18 +76,28 @@ def compact_rope(rope: nn.Module) -> nn.Module:
     return rope
 
 
-class ContextParallelGQAttention(ContextParallelAttention, Module):
-    """The core's CP attention with 0.3's forward signature: the RoPE table is the module's own
+class GQASignature:
+    """0.3's attention forward signature over the core's: the RoPE table is the module's own
     ``rope.cache`` (``[S, D/2]`` complex or ``[S, 2D]`` cos||sin, for the global positions), or, with
-    a compact RoPE, the rows of this call's positions built from its inverse frequencies."""
+    a compact RoPE, the rows of this call's positions built from its inverse frequencies. Mixed in
+    before a core attention class (``ContextParallelAttention``, ``TSPAttention``)."""
 
-    def forward(self, x: Tensor, attention_masks: object, positions: Tensor | None = None,  # type: ignore[override]
+    def forward(self, x: Tensor, attention_masks: object, positions: Tensor | None = None,
                 kept: KeptAttention | None = None) -> Tensor:
         if isinstance(self.rope, CompactRoPE):
             positions = positions if positions is not None else self._local_positions(x, None)
             table, rows = local_rope_inputs(self.rope.cache, self.spec.rotary, x[..., 0], positions)  # [B, L]
             return super().forward(x, table, attention_masks, rows, kept)
         return super().forward(x, self.rope.cache, attention_masks, positions, kept)
+
+
+class ContextParallelGQAttention(GQASignature, ContextParallelAttention, Module):
+    """The core's CP attention (Ulysses, UPipe, ring, USP) with 0.3's forward signature (``GQASignature``)."""
+
+
+class TSPGQAttention(GQASignature, TSPAttention, Module):
+    """The core's TSP attention with 0.3's forward signature (``GQASignature``); its projections are
+    DTensors sharded over the TSP ranks, found at ``qkv_linear.wq``, ... (``DECODERS.projection_paths``)."""
 
 
 def rotary_of(attention: nn.Module) -> RotaryKind:
@@ -107,7 +118,7 @@ DECODERS = ModelFamily(
     name="Llama3 and Qwen3 (TorchTitan 0.3)", model=Decoder, block=TransformerBlock, attention=GQAttention,
     feed_forward=FeedForward, rotary=rotary_of, attention_scale=attention_scale,
     projection_paths=("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv", "wo"), kept_children=("rope",),
-    converted_attention=ContextParallelGQAttention)
+    converted_attention=ContextParallelGQAttention, converted_tsp_attention=TSPGQAttention)
 
 
 def register_model_classes(classes: ModelClasses = MODEL_CLASSES) -> None:

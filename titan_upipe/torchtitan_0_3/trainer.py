@@ -43,6 +43,7 @@ from titan_upipe.torchtitan_0_3.cp_inputs import document_eos_id, shard_for_atte
 from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
+from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_common.health import NONFINITE_TAG, NonFiniteGuard, global_step_values
 from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
@@ -112,7 +113,7 @@ class ContextParallelTrainer(Trainer):
                                               global_valid_tokens=global_valid)
             losses.append(loss.detach())
 
-        grad_norm = dist_utils.clip_grad_norm_(
+        grad_norm = clip_grad_norm_(  # by mesh: TSP's weights and FSDP's shards live on two
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()

@@ -2,8 +2,9 @@
 weights sharded over the TSP ranks as DTensors.
 
 Each module registers the *same* submodules as the one it replaces (``wq``/``wk``/``wv``/``wo``,
-``q_norm``/``k_norm``; ``w1``/``w2``/``w3``) and replaces their weights by DTensors on the TSP
-mesh (a 1-D mesh named ``"ring"``: the zigzag sequence layout):
+``q_norm``/``k_norm``; ``w1``/``w2``/``w3``; on TorchTitan 0.3 ``qkv_linear`` holds the first three
+and ``rope`` is kept: the family's ``projection_paths`` and ``kept_children``) and replaces their
+weights by DTensors on the TSP mesh (a 1-D mesh named ``"ring"``: the zigzag sequence layout):
 
 ==========================  ============  =====================================================
 weight                      placement     rank ``p`` holds
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_upipe.attention.input_checks import check_local_inputs
 from titan_upipe.attention.keep import KeptAttention
+from titan_upipe.attention.model_protocol import projection
 from titan_upipe.attention.module import AttentionSpec, ContextParallelAttention
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.document_mask import check_attention_masks
@@ -56,11 +58,11 @@ def _check_mesh(mesh: DeviceMesh) -> None:
                           "titan_upipe.parallel.context_parallel_mesh(cp_mesh, 'tsp')")
 
 
-def shard_weights(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Shard]) -> None:
-    """Replace ``module.<name>.weight`` by a DTensor with ``placements[name]`` on ``mesh`` (works
+def shard_weights(linears: dict[str, nn.Module], mesh: DeviceMesh, placements: dict[str, Shard]) -> None:
+    """Replace ``linears[name].weight`` by a DTensor with ``placements[name]`` on ``mesh`` (works
     on the meta device, where TorchTitan converts)."""
     for name, placement in placements.items():
-        linear = getattr(module, name)
+        linear = linears[name]
         if isinstance(linear.weight, DTensor):
             raise ConfigError(f"{name}.weight is already a DTensor: TSP shards plain TorchTitan weights once")
         linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [placement]),
@@ -88,7 +90,12 @@ class TSPAttention(ContextParallelAttention):
         self.kv_heads_per_bucket, self.overlap = kv_heads_per_bucket, overlap
         self.comm_log: CommLog | None = None
         """A ``CommLog`` here counts the bytes this rank receives (tests, benchmarks)."""
-        shard_weights(self, mesh, ATTENTION_PLACEMENTS)
+        shard_weights(self.projections(), mesh, ATTENTION_PLACEMENTS)
+
+    def projections(self) -> dict[str, nn.Module]:
+        """``wq``, ``wk``, ``wv``, ``wo`` by name, wherever the family keeps them (``spec.projection_paths``)."""
+        return {name: projection(self, path)
+                for name, path in zip(ATTENTION_PLACEMENTS, self.spec.projection_paths, strict=True)}
 
     def extra_repr(self) -> str:
         return (f"mode=tsp, degree={self.cp_degree}, heads per rank={self.shards.heads}, "
@@ -103,7 +110,7 @@ class TSPAttention(ContextParallelAttention):
             raise ConfigError("tsp attention is causal over the whole sequence: packed-document masks "
                               "(attn_mask_type = 'block_causal') are not supported; use a causal flavor")
         self._check_rope_table(freqs_cis, positions, global_len)
-        packed = pack_attention_shard(*(_local(getattr(self, name).weight) for name in ATTENTION_PLACEMENTS))
+        packed = pack_attention_shard(*(_local(linear.weight) for linear in self.projections().values()))
         norms = (self.q_norm.weight, self.k_norm.weight) if self.spec.qk_norm else (None, None)
         return tsp_attention(x, packed, self.shards, ZigzagLayout(global_len, self.cp_degree), self.cp_mesh.get_group(),
                              self.backend, self.spec.scale, freqs_cis, self._local_positions(x, positions),
@@ -124,7 +131,7 @@ class TSPFeedForward(nn.Module):
         self.source_class = type(source)
         self.mesh, self.shards, self.overlap, self.recompute = mesh, shards, overlap, recompute
         self.comm_log: CommLog | None = None
-        shard_weights(self, mesh, MLP_PLACEMENTS)
+        shard_weights({name: getattr(self, name) for name in MLP_PLACEMENTS}, mesh, MLP_PLACEMENTS)
 
     def init_weights(self, init_std: float) -> None:
         self.source_class.init_weights(self, init_std)
@@ -148,8 +155,8 @@ def convert_block(block: nn.Module, mesh: DeviceMesh, backend: str, kv_heads_per
                           f"{type(block.feed_forward).__name__} (MoE flavors and tiled_mlp are not supported)")
     spec = AttentionSpec.of(block.attention)
     shards = TSPShards(spec.n_heads, spec.n_kv_heads, spec.head_dim, block.feed_forward.w1.weight.shape[0], mesh.size())
-    block.attention = TSPAttention(block.attention, spec, mesh, shards, backend, kv_heads_per_bucket, compute_dtype,
-                                   overlap)
+    block.attention = (spec.converted_tsp_class or TSPAttention)(block.attention, spec, mesh, shards, backend,
+                                                                 kv_heads_per_bucket, compute_dtype, overlap)
     block.feed_forward = TSPFeedForward(block.feed_forward, mesh, shards, overlap, mlp_recompute)
 
 
@@ -158,7 +165,7 @@ def tsp_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
     params = []
     for module in model.modules():
         if isinstance(module, TSPAttention):
-            params += [getattr(module, name).weight for name in ATTENTION_PLACEMENTS]
+            params += [linear.weight for linear in module.projections().values()]
         elif isinstance(module, TSPFeedForward):
             params += [getattr(module, name).weight for name in MLP_PLACEMENTS]
     return params

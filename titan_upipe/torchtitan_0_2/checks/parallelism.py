@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.spec.cp_layout import CPLayout, CPMode, cp_mode
-from titan_upipe.spec.tsp_shards import bucket_problems, tsp_problems
+from titan_upipe.spec.tsp_shards import tsp_job_problems
 from titan_upipe.torchtitan_0_2.checks.layout_fixes import UnfitLayout
 from titan_upipe.torchtitan_0_2.config import (
     OptimizerHostState,
@@ -148,38 +148,18 @@ def check_context_parallel(job_config, world_size: int) -> None:
     cp_layout(job_config)
 
 
-TSP_CONFLICTS = {
-    "tiled_mlp": "tsp replaces the feed-forward by its weight ring (already F/D wide per step)",
-    "fused_rope": "tsp rotates Q/K with the model's full RoPE table",
-}
-"""Converters ``tsp`` does not compose with, and why."""
-
-
 def check_tsp(job_config, world_size: int) -> None:
-    """``model.converters = ["tsp"]``: the degree splits the query heads, the KV heads and the FFN
-    width, ``[tsp]`` fits, and nothing it does not compose with is set (module ``titan_upipe.tsp``);
-    every problem in one ConfigError. Sequence lengths (multiples of ``2 D``) are CPLayout's."""
+    """``model.converters = ["tsp"]``: ``spec.tsp_shards.tsp_job_problems`` (module ``titan_upipe.tsp``),
+    every problem in one ConfigError."""
     converters = list(job_config.model.converters)
     if cp_mode(converters) != CPMode.TSP:
         return
     par = job_config.parallelism
-    degree = par.context_parallel_degree
     args = flavor_args(job_config, update=False)
-    n_heads, n_kv_heads = args.n_heads, args.n_kv_heads or args.n_heads
-    # sequence lengths: CPLayout's 2 x degree (check_context_parallel, check_validation)
-    problems = tsp_problems(n_heads, n_kv_heads, ffn_hidden_dim(args), degree)
-    problems += bucket_problems(n_kv_heads, degree, job_config.tsp.kv_heads_per_bucket)
-    problems += [f"model.converters has 'tsp' and {name!r}: {why}; remove {name!r}"
-                 for name, why in TSP_CONFLICTS.items() if name in converters]
-    if data_parallel_degree(par, world_size) not in (None, 1):
-        problems.append("tsp shards the blocks' weights over the CP ranks; data parallelism on top (FSDP of those "
-                        "shards over more ranks) is not built yet: set parallelism.data_parallel_shard_degree = 1 "
-                        "and data_parallel_replicate_degree = 1 (world size = context_parallel_degree)")
-    if job_config.training.enable_cpu_offload:
-        problems.append("training.enable_cpu_offload with tsp is not supported (FSDP's parameter offload does not "
-                        "manage the TSP-sharded weights): set training.enable_cpu_offload = false")
-    if plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host:
-        problems.append("optimizer.state_on_host with tsp is not supported yet (its sharded weights are DTensors "
-                        "on the TSP mesh, not FSDP shards): set optimizer.state_on_host = false")
+    problems = tsp_job_problems(
+        args.n_heads, args.n_kv_heads or args.n_heads, ffn_hidden_dim(args), par.context_parallel_degree,
+        kv_heads_per_bucket=job_config.tsp.kv_heads_per_bucket, converters=converters,
+        data_parallel=data_parallel_degree(par, world_size), param_offload=job_config.training.enable_cpu_offload,
+        state_on_host=plugin_fields(job_config.optimizer, OptimizerHostState).state_on_host)
     if problems:
         raise ConfigError("; ".join(problems))

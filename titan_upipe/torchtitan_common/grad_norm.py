@@ -10,7 +10,7 @@ by mesh and
 
 in fp32, then every group is scaled by ``min(1, max_norm / (||g|| + 1e-6))`` (torch's
 ``clip_grads_with_norm_``, group by group). With one mesh (every other layout) TorchTitan's
-``clip_grad_norm_`` runs unchanged.
+``clip_grad_norm_`` runs unchanged (0.2.2's and 0.3's take the same arguments).
 """
 
 from __future__ import annotations
