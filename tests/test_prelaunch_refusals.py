@@ -190,7 +190,7 @@ AFTER_LAUNCH = {
         "checks.parallelism.check_context_parallel: a CP degree without a CP converter, or a CP converter "
         "at degree 1 (CPLayout)",
     "torchtitan_0_2/cp_inputs.py:document_eos_id":
-        "checks.model.check_document_masking (mask types); job_assets.inputs.check_document_eos "
+        "checks.model.check_document_masking (mask types); torchtitan_common.job_inputs.check_document_eos "
         "(case block-causal-tokenizer-without-eos)",
     "torchtitan_0_2/parallelize.py:parallelize":
         "checks.parallelism.check_supported_parallelism (case replicas-without-sharding)",

@@ -129,3 +129,36 @@ def test_the_chunked_loss_splits_every_row_evenly(recipe, overrides):
     assert row % chunks == 0 and spec.local_batch * row / chunks <= asked
     validation_chunks = loss_config(spec, spec.seq_len // 2).num_chunks  # and the validation's rows
     assert row % validation_chunks == 0 and (row // 2) % validation_chunks == 0
+
+
+def test_the_tokenizer_and_data_files_are_checked_before_launch_as_on_0_2(tmp_path):
+    """``torchtitan_common.job_inputs``, the checks 0.2.2's launch runs (``tests/test_prelaunch_refusals.py``,
+    ``tests/test_job_assets.py``), with the same messages: a missing tokenizer, one without the EOS a
+    document-packing flavor ends documents at, data patterns that match no file; the good job passes."""
+    import json
+
+    from text_assets import BOS, write_corpus, write_tokenizer
+
+    write_corpus(tmp_path / "data")
+    write_tokenizer(tmp_path / "hf")
+    write_tokenizer(tmp_path / "hf_no_eos")
+    (tmp_path / "hf_no_eos" / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS}))
+
+    def local_text(config: str, tokenizer: str, pattern: str = "*.jsonl") -> str:
+        return refusal(config, "--training.dataset", "local_text", "--local_data.paths", str(tmp_path / "data" / pattern),
+                       "--model.hf_assets_path", str(tmp_path / tokenizer))
+
+    assert local_text("configs/debug/llama3_upipe.toml", "missing").startswith(
+        f"model.hf_assets_path = '{tmp_path / 'missing'}' does not exist: training.dataset = 'local_text' is tokenized "
+        "with the Hugging Face tokenizer there")
+    assert local_text("configs/debug/llama3_upipe_docs.toml", "hf_no_eos").startswith(
+        f"model.flavor = 'debug_flex' (attn_mask_type 'block_causal') ends a packed document at each EOS token, but "
+        f"the tokenizer in model.hf_assets_path = '{tmp_path / 'hf_no_eos'}' has none")
+    assert local_text("configs/debug/llama3_upipe.toml", "hf", "*.none").startswith(
+        f"local_data.paths pattern '{tmp_path / 'data' / '*.none'}' matches no file")
+    from titan_upipe.torchtitan_0_3.load_job import checked_job
+
+    good = checked_job(["--job.config_file", "configs/debug/llama3_upipe_docs.toml", "--training.dataset", "local_text",
+                        "--local_data.paths", str(tmp_path / "data" / "*.jsonl"), "--model.hf_assets_path",
+                        str(tmp_path / "hf")])  # its EOS, 356 tokens of the 512 the flavor embeds: no refusal
+    assert good.spec.documents

@@ -6,7 +6,8 @@ ContextParallelTrainer.Config``, which builds that trainer) with the settings be
 ``Trainer.__init__`` starts a process group, builds the job's ``JobSpec`` from that config as it stands
 then (a CLI override of ``torchtitan.train`` included) and checks it (:func:`launch_of`):
 :func:`check_world_size`, :func:`check_hosted` (what 0.3 does not host yet, by name, and a checkpoint of
-0.2.2), ``prepare.prepare_job`` (``keep_attention = "auto"`` sized, the memory guard).
+0.2.2), :func:`check_inputs` (the tokenizer and data files), ``prepare.prepare_job``
+(``keep_attention = "auto"`` sized, the memory guard).
 
 =========================== ===================================================================
 setting                     why
@@ -52,7 +53,7 @@ from titan_upipe.torchtitan_0_3.optimizers import check_host_state, host_state_o
 from titan_upipe.torchtitan_0_3.prepare import prepare_job
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 from titan_upipe.torchtitan_0_3.transforms import loss_config
-from titan_upipe.torchtitan_common import cpu_runtime
+from titan_upipe.torchtitan_common import cpu_runtime, job_inputs
 from titan_upipe.transforms import TRANSFORM_NAMES
 
 
@@ -150,6 +151,17 @@ def check_tsp(recipe: Recipe, spec: JobSpec) -> None:
         raise ConfigError("; ".join(problems))
 
 
+def check_inputs(recipe: Recipe, spec: JobSpec) -> None:
+    """The tokenizer and the data files the job reads, opened as it will open them
+    (``torchtitan_common.job_inputs``, the checks 0.2.2's launch runs, the same messages)."""
+    trainer, validator = recipe.trainer, recipe.trainer.validator
+    paths = validator.dataloader.paths
+    job_inputs.check_dataset(trainer.dataloader.dataset, recipe.plugin["local_data"],
+                             validator.dataloader.dataset if validator.enable else None, paths[0] if paths else None)
+    job_inputs.check_tokenizer(trainer.dataloader.dataset, trainer.hf_assets_path, model_name=recipe.model_name,
+                               flavor=recipe.flavor, documents=spec.documents, vocab_size=spec.model.vocab)
+
+
 def check_torchtitan_settings(config, spec: JobSpec) -> None:
     """What 0.3's own trainer would refuse, or the plugin not run, once its process groups started: tensor
     and pipeline parallelism, compile, its ``seq_len % (2 x cp)`` rule."""
@@ -233,6 +245,7 @@ def checked_spec(recipe: Recipe, world_size: int | None) -> JobSpec:
     check_world_size(recipe.trainer.parallelism, spec.world_size)
     check_torchtitan_settings(recipe.trainer, spec)
     check_hosted(recipe, spec)
+    check_inputs(recipe, spec)
     return spec
 
 

@@ -1,143 +1,39 @@
-"""What a job reads as input: the tokenizer and the data files, opened as the job will open them.
+"""What a job reads as input: the tokenizer and the data files, opened as the job will open them
+(``torchtitan_common.job_inputs``, which the 0.3 adapter calls too), with this job's values.
 
 * The tokenizer of ``model.hf_assets_path`` (any dataset but the synthetic ones): present,
-  loadable by TorchTitan's ``HuggingFaceTokenizer`` (a JSON file that is not JSON is named), no
-  larger than the model's embedding (``vocab_size``: a larger id fails mid-step), and with an EOS
-  token for a ``block_causal`` flavor (which ends a packed document at each).
-* ``training.dataset = "local_text"``: every ``local_data.paths`` pattern matches .jsonl/.parquet/.txt
-  files, and the first records of each file (the first ``MAX_FILES_READ`` files; every file's
-  size) read as the loader reads them (``local_text.check_first_records``); likewise
-  ``validation.dataset_path`` for ``validation.dataset = "local_text"``.
+  loadable, no larger than the model's embedding, an EOS token for a ``block_causal`` flavor.
+* ``training.dataset = "local_text"``: every ``local_data.paths`` pattern's files, their first
+  records read as the loader reads them; likewise ``validation.dataset_path``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
-from titan_upipe.data.local_text import (
-    LOCAL_TEXT_DATASET,
-    check_first_records,
-    check_some_document,
-    expand_paths,
-)
-from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.job_assets.model_state import job_model_state
-
-HF_REPOS = {"upipe_llama3": {"8B": "meta-llama/Llama-3.1-8B"}, "upipe_qwen3": {"32B": "Qwen/Qwen3-32B"},
-            "llama3": {"8B": "meta-llama/Llama-3.1-8B"}, "qwen3": {"32B": "Qwen/Qwen3-32B"}}
-"""The Hugging Face repositories of the recipes' models, for the download command in messages."""
-
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
-TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-"""The tokenizer files TorchTitan parses as JSON."""
-MAX_FILES_READ = 64
-"""Data files whose first records are read before launch (the others: their size only)."""
+from titan_upipe.torchtitan_common import job_inputs
 
 
 def download_hint(job_config, folder: str) -> str:
-    repo = HF_REPOS.get(job_config.model.name, {}).get(job_config.model.flavor, "<org>/<model>")
-    return (f"hf download {repo} --local-dir {folder} --include 'tokenizer*' 'config.json' "
-            "'*.safetensors' 'model.safetensors.index.json'")
+    return job_inputs.download_hint(job_config.model.name, job_config.model.flavor, folder)
 
 
-def _not_json(folder: str) -> tuple[str, json.JSONDecodeError | UnicodeDecodeError] | None:
-    """The first tokenizer file in ``folder`` that is not JSON, with its error."""
-    for name in TOKENIZER_JSON_FILES:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                return path, err
-    return None
-
-
-def load_tokenizer(job_config, folder: str):
-    """TorchTitan's ``HuggingFaceTokenizer`` of ``folder``, or a ConfigError naming the file that
-    fails and the download command."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
+def _packs_documents(job_config) -> bool:
     try:
-        return HuggingFaceTokenizer(folder)
-    except Exception as err:  # tokenizers' and json's errors alike: the job could not start
-        broken = _not_json(folder)
-        if broken is not None:
-            path, why = broken
-            where = f"line {why.lineno} column {why.colno}: {why.msg}" if isinstance(why, json.JSONDecodeError) \
-                else f"not UTF-8: {why.reason}"
-            raise ConfigError(f"{path} is not JSON ({where}): download the tokenizer again "
-                              f"({download_hint(job_config, folder)})") from None
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"the tokenizer in {folder} cannot be loaded ({type(err).__name__}: {reason}): download "
-                          f"it again ({download_hint(job_config, folder)})") from None
-
-
-def check_document_eos(job_config, folder: str, tokenizer) -> None:
-    """A ``block_causal`` flavor ends each packed document at the tokenizer's EOS token: a tokenizer
-    without one (its config names no ``eos_token``) stops the trainer at its first batch."""
-    try:
-        args = flavor_args(job_config, update=False)
+        return packs_documents(flavor_args(job_config, update=False))
     except ConfigError:  # an unknown model or flavor: the job checks name it
-        return
-    if packs_documents(args) and getattr(tokenizer, "eos_id", None) is None:
-        raise ConfigError(
-            f"model.flavor = {job_config.model.flavor!r} (attn_mask_type 'block_causal') ends a packed document at "
-            f"each EOS token, but the tokenizer in model.hf_assets_path = {folder!r} has none (no eos_token in "
-            f"tokenizer_config.json): use the model's own tokenizer ({download_hint(job_config, folder)}), or a "
-            "causal flavor")
+        return False
 
 
 def check_tokenizer(job_config) -> None:
-    if job_config.training.dataset in SYNTHETIC_DATASETS:
-        return
-    folder = job_config.model.hf_assets_path
-    present = os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
-    if not present:
-        state = "has no tokenizer.json" if os.path.isdir(folder) else "does not exist"
-        raise ConfigError(
-            f"model.hf_assets_path = {folder!r} {state}: training.dataset = {job_config.training.dataset!r} is "
-            f"tokenized with the Hugging Face tokenizer there. Download it ({download_hint(job_config, folder)}), "
-            f"or point model.hf_assets_path at the folder holding tokenizer.json")
-    tokenizer = load_tokenizer(job_config, folder)
-    check_document_eos(job_config, folder, tokenizer)
-    tokens = tokenizer.get_vocab_size()
     model = job_model_state(job_config)
-    vocab_size = model.vocab_size if model else None
-    if vocab_size and tokens > vocab_size:
-        raise ConfigError(
-            f"the tokenizer in model.hf_assets_path = {folder!r} has {tokens} tokens but {model.label} embeds "
-            f"{vocab_size} (vocab_size), so ids from {vocab_size} on would index past the embedding: use this model's "
-            f"tokenizer ({download_hint(job_config, folder)}) or a flavor with vocab_size >= {tokens}")
-
-
-def _file_size(path: str, setting: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError as err:
-        raise ConfigError(f"{path} cannot be read ({err.strerror or err}): fix it or remove it from {setting}") from None
-
-
-def _check_files(files: list[str], local, setting: str) -> None:
-    """The first records of the first ``MAX_FILES_READ`` files (and of every empty one), and one
-    document among them."""
-    read = [path for index, path in enumerate(files) if index < MAX_FILES_READ or _file_size(path, setting) == 0]
-    holds = [check_first_records(path, local.text_key, local.skip_bad_records, setting) for path in read]
-    if len(read) == len(files):  # (files beyond the first MAX_FILES_READ may hold the documents)
-        check_some_document(read, holds, setting)
+    job_inputs.check_tokenizer(job_config.training.dataset, job_config.model.hf_assets_path,
+                               model_name=job_config.model.name, flavor=job_config.model.flavor,
+                               documents=_packs_documents(job_config), vocab_size=model.vocab_size if model else None)
 
 
 def check_dataset(job_config) -> None:
-    local = job_config.local_data
-    if job_config.training.dataset == LOCAL_TEXT_DATASET:
-        if not local.paths:
-            raise ConfigError('training.dataset = "local_text" needs local_data.paths: glob patterns of '
-                              '.jsonl/.parquet/.txt files, e.g. paths = ["/data/books/*.jsonl"]')
-        _check_files(expand_paths(local.paths), local, "local_data.paths")
     validation = job_config.validation
-    if validation.enable and validation.dataset == LOCAL_TEXT_DATASET and validation.dataset_path:
-        _check_files(expand_paths([validation.dataset_path], "validation.dataset_path"), local,
-                     "validation.dataset_path")
+    job_inputs.check_dataset(job_config.training.dataset, job_config.local_data,
+                             validation.dataset if validation.enable else None, validation.dataset_path)
