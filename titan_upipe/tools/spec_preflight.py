@@ -5,9 +5,10 @@ It reads the recipe as the launch does, refuses what the launch would refuse bef
 group (the recipe's keys and values, the CP layout, what 0.3 does not host yet), judges the job's
 memory with the planner for the device it trains on (``plan.fit``: a GPU of ``PLAN_GPU_GIB`` where
 this machine has none; on the CPU, ``--host-mem`` or the free host memory), and prints the
-resolved layout, as 0.2's validate (``tools.preflight``) does. The job's files (tokenizer, data,
-checkpoints) are 0.2's validate's alone so far. Exit code 0 when the job can run, 1 when it cannot,
-2 on usage errors.
+resolved layout, as 0.2's validate (``tools.preflight``) does. It opens the tokenizer and the data
+files as the launch does (``--no-assets``: not); the contents of checkpoints and Hugging Face weights
+are 0.2's validate's alone so far. Exit code 0 when the job can run, 1 when it cannot, 2 on usage
+errors.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ def summary(job, world_size: int, device_text: str) -> LayoutSummary:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = validate_parser(__doc__.splitlines()[0], assets=False)
+    parser = validate_parser(__doc__.splitlines()[0], assets=True)
     args, overrides = parser.parse_known_args(argv)
     argv = ["--job.config_file", args.config, *overrides]
     door = adapter_module("load_job")
     try:
-        job = door.checked_job(argv, args.world_size)
+        job = door.checked_job(argv, args.world_size, files=not args.no_assets)
     except ValueError as err:  # ConfigError included
         print(f"{args.config}: 1 problem(s):\n  - {err}")
         return 1

@@ -238,14 +238,16 @@ def fit_rope(config) -> None:
         rope.max_seq_len = max(rope.max_seq_len, config.training.seq_len)
 
 
-def checked_spec(recipe: Recipe, world_size: int | None) -> JobSpec:
+def checked_spec(recipe: Recipe, world_size: int | None, files: bool = True) -> JobSpec:
     """The recipe's ``JobSpec`` on ``world_size`` ranks (None: the configured degrees' product) once every
-    pre-launch check passed (ConfigError: the first that fails). The launch and ``validate`` both run these."""
+    pre-launch check passed (ConfigError: the first that fails). The launch and ``validate`` both run these;
+    ``files=False`` (``validate --no-assets``): all but the tokenizer and data files."""
     spec = job_spec(recipe, world_size)
     check_world_size(recipe.trainer.parallelism, spec.world_size)
     check_torchtitan_settings(recipe.trainer, spec)
     check_hosted(recipe, spec)
-    check_inputs(recipe, spec)
+    if files:
+        check_inputs(recipe, spec)
     return spec
 
 

@@ -35,8 +35,8 @@ class CheckedJob:
     converters: tuple[str, ...]
 
 
-def checked_job(argv: list[str], world_size: int | None = None) -> CheckedJob:
+def checked_job(argv: list[str], world_size: int | None = None, files: bool = True) -> CheckedJob:
     """The job of a recipe as the 0.3 launch checks it before any process group (ConfigError: the
-    first problem, worded as the launch words it)."""
+    first problem, worded as the launch words it); ``files=False``: not its tokenizer and data files."""
     recipe = load_recipe(argv)
-    return CheckedJob(checked_spec(recipe, world_size), recipe.model_name, recipe.flavor, recipe.converters)
+    return CheckedJob(checked_spec(recipe, world_size, files), recipe.model_name, recipe.flavor, recipe.converters)
