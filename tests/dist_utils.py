@@ -27,14 +27,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from forked_ranks import free_port
 
-from titan_upipe.torchtitan_0_2.model_classes import register_model_classes
+from titan_upipe.adapter import adapter_module
 
 
 def _worker(rank: int, world_size: int, port: int, jobs: Any, results: Any) -> None:
     try:
         os.environ.setdefault("TITAN_UPIPE_DEVICE", "cpu")
         torch.set_num_threads(1)
-        register_model_classes()  # the core's model families, as register_plugin() registers them
+        # the core's model families, as the installed TorchTitan's adapter registers them
+        adapter_module("model_classes").register_model_classes()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         from torch.distributed.device_mesh import init_device_mesh
 

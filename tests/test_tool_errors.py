@@ -182,11 +182,14 @@ def test_check_on_the_cpu_needs_a_length_for_a_gpu_recipe(monkeypatch):
     with pytest.raises(ConfigError, match=r"^training.seq_len = 1048576 \(.*upipe_1m.toml\) is a GPU-scale length: "
                                           r".*pass --seq-len 64 \(a multiple of 8, this layout's sequence divisor"):
         parity.checked_job(options, titan_args, 8, cpu)
-    monkeypatch.setattr(parity, "free_machine_memory", lambda ranks, device: MachineMemory(2**50, 2**50, ranks, device))
+    from titan_upipe.torchtitan_0_2 import parity_job
+
+    monkeypatch.setattr(parity_job, "free_machine_memory",
+                        lambda ranks, device: MachineMemory(2**50, 2**50, ranks, device))
     options, titan_args = _check_options(RECIPE_1M, "--seq-len", "64")
-    assert parity.checked_job(options, titan_args, 8, cpu).training.seq_len == 64
+    assert parity.checked_job(options, titan_args, 8, cpu).spec.seq_len == 64
     options, titan_args = _check_options(RECIPE_1M)
-    assert parity.checked_job(options, titan_args, 8, torch.device("cuda", 0)).training.seq_len == 2**20
+    assert parity.checked_job(options, titan_args, 8, torch.device("cuda", 0)).spec.seq_len == 2**20
 
 
 @pytest.mark.parametrize("argv, message", [

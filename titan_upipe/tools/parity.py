@@ -3,10 +3,12 @@
     torchrun --nproc_per_node <CP degree> -m titan_upipe.check --job.config_file X.toml [--seq-len N]
              [--dtype float32|bfloat16] [--tolerance T] [--section.key value ...]
 
-Builds the configured model twice with the same weights (``build_rank_model``, the rank
-builder the emulator uses too): the *reference*, TorchTitan's unconverted model on the full
-(gathered) batch, and the *parallel* model with the config's converters (CP attention and the
-memory transforms) on this rank's sequence shard in the layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
+Builds the configured model twice with the same weights (the installed TorchTitan's adapter's
+``parity_job``: on 0.2.2 ``rank_model.build_rank_model``, the rank builder the emulator uses too; on
+0.3 the recipe's model config, converted as its ``parallelize`` converts): the *reference*,
+TorchTitan's unconverted model on the full (gathered) batch, and the *parallel* model with the
+config's converters (CP attention and the memory transforms) on this rank's sequence shard in the
+layout the trainer uses. One forward and backward each; the CP ranks' losses and gradients
 are summed and their logits gathered, and rank 0 prints the max relative error
 (max |parallel - reference| / max |reference|) of the loss, the logits and every gradient.
 Exit code 1 when one exceeds the tolerance. With a ``block_causal`` flavor the batch holds packed
@@ -25,7 +27,7 @@ another question; and at a GPU recipe's length the single-device reference (atte
 in the length, on every rank) would not finish on a CPU.
 
 A mistake in the command line or the config (a length the layout cannot shard, a rank count
-other than the CP degree, a length the memory planner predicts will not fit: ``torchtitan_0_2.memory_guard``) is
+other than the CP degree, a length the memory planner predicts will not fit) is
 one line, ``titan_upipe.check: error: ...``, printed once (rank 0) before any process group
 starts, exit status 2.
 """
@@ -41,13 +43,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titan_upipe.adapter import adapter_module
 from titan_upipe.errors import ConfigError, exit_once
 from titan_upipe.parallel import gather_sequence
 from titan_upipe.parallel.inputs import prepare_cp_batch
-from titan_upipe.spec.job_spec import JobSpec
 from titan_upipe.toolkit.cli_args import (
     ToolParser,
     non_negative_int,
@@ -56,19 +57,6 @@ from titan_upipe.toolkit.cli_args import (
     token_count,
 )
 from titan_upipe.toolkit.packed_documents import document_runs, packed_document_tokens
-from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
-from titan_upipe.torchtitan_0_2.job_plan import size_keep_attention_of_job
-from titan_upipe.torchtitan_0_2.launched_job import launched_job
-from titan_upipe.torchtitan_0_2.load_job import checked_job_of, parse_job
-from titan_upipe.torchtitan_0_2.loss import IGNORE_INDEX
-from titan_upipe.torchtitan_0_2.memory_guard import check_memory_fits, free_machine_memory, local_ranks
-from titan_upipe.torchtitan_0_2.rank_model import (
-    ParallelDims,
-    build_loss_fn,
-    build_parallel_dims,
-    build_rank_model,
-    rank_device,
-)
 from titan_upipe.transforms.model_forward import FinalHiddenStates
 
 DEFAULT_TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -113,18 +101,17 @@ def _parse(argv: list[str]):
 
 @dataclass(frozen=True)
 class CheckSetup:
-    """One rank's view of the check: the parsed job (DP degrees forced to 1), its CP mesh, the
-    compute dtype and the tolerance."""
+    """One rank's view of the check: the checked job (DP degrees forced to 1; the adapter's
+    ``parity_job.ParityJob``), the compute dtype and the tolerance."""
 
     options: argparse.Namespace
-    job_config: Any
+    job: Any
     world_size: int
     rank: int
     cp: int
     device: torch.device
     dtype: torch.dtype
     tolerance: float
-    parallel_dims: ParallelDims
 
 
 def _logits(pred):
@@ -135,61 +122,50 @@ def _logits(pred):
     return pred.detach()
 
 
-def _build_models(job_config, parallel_dims, device, dtype, seed: int, documents: bool):
-    """The reference (no converters; with documents TorchTitan's sdpa kernel, run per document)
-    and the parallel model (the config's converters), same weights; neither parallelized (no AC,
-    no FSDP)."""
-    reference = build_rank_model(job_config, parallel_dims, device, seed=seed, convert=False, parallelize=False,
-                                 attn_type="sdpa" if documents else None)
-    parallel = build_rank_model(job_config, parallel_dims, device, seed=seed, parallelize=False)
-    # A full state dict: plain parameters copied, DTensor ones (tsp's sharded weights) sliced.
-    set_model_state_dict(parallel.model, reference.model.state_dict(), options=StateDictOptions(full_state_dict=True))
-    # Parameters in the compute dtype, as FSDP's mixed precision gives them to the model;
-    # buffers (the RoPE tables) keep their own dtype, as in training.
+def _build_models(job, device, dtype, seed: int):
+    """The reference and the parallel model with the same weights (``job.build_models``), their
+    parameters in the compute dtype, as FSDP's mixed precision gives them to the model; buffers (the
+    RoPE tables) keep their own dtype, as in training. -> (reference, parallel, vocab)"""
+    reference, parallel, vocab = job.build_models(device, dtype, seed)
     with torch.no_grad():
-        for model in (reference.model, parallel.model):
+        for model in (reference, parallel):
             for param in model.parameters():
                 param.data = param.data.to(dtype)
-    return reference, parallel
+    return reference, parallel, vocab
 
 
-def _cpu_length_problem(job_config, spec: JobSpec, options: argparse.Namespace, device: torch.device) -> str | None:
+def _cpu_length_problem(job, options: argparse.Namespace, device: torch.device) -> str | None:
     """A recipe length on the CPU without ``--seq-len`` (module docstring): the refusal, with a
     length this layout shards."""
-    seq_len = job_config.training.seq_len
+    seq_len = job.spec.seq_len
     if device.type != "cpu" or options.seq_len is not None or seq_len <= CPU_SEQ_LEN_LIMIT:
         return None
-    divisor = spec.layout.seq_divisor
+    divisor = job.spec.layout.seq_divisor
     suggested = math.ceil(SUGGESTED_SEQ_LEN / divisor) * divisor
-    return (f"training.seq_len = {seq_len} ({job_config.job.config_file}) is a GPU-scale length: on the CPU the "
+    return (f"training.seq_len = {seq_len} ({job.config_file}) is a GPU-scale length: on the CPU the "
             f"reference model would run all {seq_len} tokens; pass --seq-len {suggested} (a multiple of {divisor}, "
             f"this layout's sequence divisor; up to {CPU_SEQ_LEN_LIMIT} without --seq-len)")
 
 
 def checked_job(options: argparse.Namespace, titan_args: list[str], world_size: int, device: torch.device):
-    """The job the check runs (data-parallel degrees forced to 1, ``--seq-len`` applied), validated
-    as far as it can be before any process group: one rank per CP rank, the job checks, a length
-    the CPU can run and the memory guard (``torchtitan_0_2.memory_guard``), documents only under CP. Raises ConfigError."""
-    overrides = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1"]
-    if options.seq_len:
-        overrides += ["--training.seq_len", str(options.seq_len)]
-    job_config = parse_job([*titan_args, *overrides])
-    cp = job_config.parallelism.context_parallel_degree
+    """The job the check runs (the adapter's ``parity_job``: data-parallel degrees forced to 1,
+    ``--seq-len`` applied), validated as far as it can be before any process group: one rank per CP
+    rank, the job checks, a length the CPU can run, the memory guard, documents only under CP.
+    Raises ConfigError."""
+    job = adapter_module("parity_job").parity_job(titan_args, options.seq_len)
+    cp = job.cp_degree
     if world_size != cp:
         raise ConfigError(f"the check runs one rank per CP rank: launch it with --nproc_per_node {cp} "
                           f"(parallelism.context_parallel_degree), not {world_size}")
-    job = checked_job_of(job_config, world_size)
-    if problem := _cpu_length_problem(job_config, job.spec, options, device):
+    job.check(world_size)
+    if problem := _cpu_length_problem(job, options, device):
         raise ConfigError(problem)
-    # the training step's plan: a lower bound of the check's two unsharded models without AC
-    check_memory_fits(job_config, world_size, free_machine_memory(local_ranks(world_size), device.type),
-                      batch=options.batch)
-    size_keep_attention_of_job(job_config, world_size)  # keep_attention = "auto": sized for this machine
-    if packs_documents(flavor_args(job_config)) and cp == 1:
+    job.check_memory(world_size, device, options.batch)
+    if job.spec.documents and cp == 1:
         raise ConfigError("titan_upipe.check with attn_mask_type 'block_causal' checks the context-parallel "
                           "attention against TorchTitan's per document: set parallelism.context_parallel_degree "
                           ">= 2 with a CP converter")
-    return job_config
+    return job
 
 
 def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
@@ -197,17 +173,16 @@ def _setup(argv: list[str]) -> tuple[CheckSetup, bool]:
     group (when this call owns it: the second value) and build the CP mesh."""
     options, titan_args = _parse(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = rank_device()
-    job_config = checked_job(options, titan_args, world_size, device)
+    device = adapter_module("parity_job").rank_device()
+    job = checked_job(options, titan_args, world_size, device)
     tolerance = options.tolerance if options.tolerance is not None else DEFAULT_TOLERANCE[options.dtype]
     if device.type == "cuda":
         torch.cuda.set_device(device)
     owns_process_group = world_size > 1 and not dist.is_initialized()
     if owns_process_group:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    setup = CheckSetup(options, job_config, world_size, int(os.environ.get("RANK", "0")),
-                       job_config.parallelism.context_parallel_degree, device, getattr(torch, options.dtype),
-                       tolerance, build_parallel_dims(job_config, world_size))
+    setup = CheckSetup(options, job, world_size, int(os.environ.get("RANK", "0")), job.cp_degree, device,
+                       getattr(torch, options.dtype), tolerance)
     return setup, owns_process_group
 
 
@@ -222,14 +197,14 @@ def reference_prediction(model, inputs: torch.Tensor, runs: list[list[tuple[int,
     return torch.cat(rows, dim=0)
 
 
-def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: int, eos_id: int | None = None):
+def _parallel_step(setup: CheckSetup, model, inputs, labels, n_tokens: int, eos_id: int | None = None):
     """Forward and backward of the parallel model on this rank's shard, prepared as the trainer
     prepares it (``prepare_cp_batch``; ``eos_id``: packed documents); the loss and gradients summed
     over the CP ranks, the logits gathered. -> (loss, logits, grads)"""
+    job = setup.job
     if setup.cp > 1:
-        job = launched_job(setup.job_config, setup.parallel_dims)  # the mesh and layout the converters used
-        cp_mesh = job.required_cp_mesh()
-        batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=IGNORE_INDEX,
+        cp_mesh = job.cp_mesh()  # the mesh the converters used
+        batch = prepare_cp_batch(inputs, labels, cp_mesh, eos_id=eos_id, ignore_index=job.ignore_index,
                                  document_balance=job.spec.document_balance,
                                  document_min_split=job.spec.document_min_split)
         local_labels = batch.labels
@@ -237,13 +212,13 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
     else:
         cp_mesh, local_labels, batch = None, labels, None
         pred = model(inputs)
-    loss = loss_fn(pred, local_labels) / n_tokens
+    loss = job.loss(pred, local_labels) / n_tokens
     loss.backward()
     local_logits = _logits(pred)
     loss_sum = loss.detach().float().clone()
     grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
     if setup.cp > 1:
-        group = setup.parallel_dims.get_mesh("cp").get_group()  # all CP ranks (the layout mesh may be 2-D)
+        group = job.cp_group()  # all CP ranks (the layout mesh may be 2-D)
         dist.all_reduce(loss_sum, group=group)
         for name, grad in grads.items():
             if isinstance(grad, DTensor):  # sharded weights (tsp): each shard's gradient is complete at its owner
@@ -256,13 +231,13 @@ def _parallel_step(setup: CheckSetup, model, loss_fn, inputs, labels, n_tokens: 
     return loss_sum, logits, grads
 
 
-def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: int, loss_sum, logits,
-             grads, runs=None) -> bool:
+def _compare(setup: CheckSetup, reference, inputs, labels, n_tokens: int, loss_sum, logits, grads,
+             runs=None) -> bool:
     """Rank 0: the reference's forward and backward on the full batch (or per document), the
     comparison printed; whether it failed."""
-    options, job_config, tolerance = setup.options, setup.job_config, setup.tolerance
+    options, job, tolerance = setup.options, setup.job, setup.tolerance
     ref_pred = reference_prediction(reference, inputs, runs)
-    ref_loss = loss_fn(ref_pred, labels) / n_tokens
+    ref_loss = job.loss(ref_pred, labels) / n_tokens
     ref_loss.backward()
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     results = [Comparison("loss", relative_error(loss_sum, ref_loss.detach().float())),
@@ -270,9 +245,9 @@ def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: in
     missing = sorted(set(ref_grads) - set(grads))
     results += [Comparison(f"grad {name}", relative_error(grads[name], ref_grads[name].float()))
                 for name in ref_grads if name in grads]
-    print(f"titan_upipe.check: {job_config.job.config_file} | converters "
-          f"{', '.join(job_config.model.converters) or '(none)'} | CP {setup.cp} | seq_len "
-          f"{job_config.training.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}"
+    print(f"titan_upipe.check: {job.config_file} | converters "
+          f"{', '.join(job.converters) or '(none)'} | CP {setup.cp} | seq_len "
+          f"{job.spec.seq_len} | batch {options.batch} | {options.dtype} | tolerance {tolerance:g}"
           + (f" | block_causal, documents per row {[len(r) for r in runs]}" if runs else ""))
     print(f"  loss: parallel {loss_sum.item():.7f}  single device {ref_loss.item():.7f}")
     for result in results[:2]:
@@ -292,26 +267,22 @@ def _compare(setup: CheckSetup, reference, loss_fn, inputs, labels, n_tokens: in
 def run_check(argv: list[str]) -> int:
     """The check on this rank (module docstring); the exit code, the same on every rank."""
     setup, owns_process_group = _setup(argv)
-    options, job_config = setup.options, setup.job_config
-    documents = packs_documents(flavor_args(job_config))
-    reference, parallel = _build_models(job_config, setup.parallel_dims, setup.device, setup.dtype, options.seed,
-                                        documents)
-    loss_fn = build_loss_fn(parallel.spec, job_config, setup.parallel_dims)
+    options, job = setup.options, setup.job
+    documents = job.spec.documents
+    reference, parallel, vocab = _build_models(job, setup.device, setup.dtype, options.seed)
     generator = torch.Generator().manual_seed(options.seed)
-    vocab = parallel.args.vocab_size
     eos_id = vocab - 1  # the document separator; the random tokens stay below it
-    tokens = torch.randint(0, vocab - 1 if documents else vocab, (options.batch, job_config.training.seq_len + 1),
+    tokens = torch.randint(0, vocab - 1 if documents else vocab, (options.batch, job.spec.seq_len + 1),
                            generator=generator).to(setup.device)
     if documents:
         tokens = packed_document_tokens(tokens, eos_id)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     n_tokens = labels.numel()
     runs = document_runs(inputs, eos_id) if documents else None
-    loss_sum, logits, grads = _parallel_step(setup, parallel.model, loss_fn, inputs, labels, n_tokens,
-                                             eos_id if documents else None)
+    loss_sum, logits, grads = _parallel_step(setup, parallel, inputs, labels, n_tokens, eos_id if documents else None)
     failed = False
     if setup.rank == 0:
-        failed = _compare(setup, reference.model, loss_fn, inputs, labels, n_tokens, loss_sum, logits, grads, runs)
+        failed = _compare(setup, reference, inputs, labels, n_tokens, loss_sum, logits, grads, runs)
     if setup.world_size > 1:
         verdict = torch.tensor([int(failed)], device=setup.device)
         dist.broadcast(verdict, src=0)

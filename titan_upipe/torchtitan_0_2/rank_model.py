@@ -13,13 +13,11 @@ optimizers, its loss and the trainer's autocast context.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torchtitan.tools.utils as titan_utils
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
@@ -30,14 +28,13 @@ from titan_upipe.optim.host_adamw import AMSGRAD_MOMENTS, HostStateAdamW
 from titan_upipe.torchtitan_0_2.checks.parallelism import data_parallel_shard_degree
 from titan_upipe.torchtitan_0_2.flavors import flavor_args
 from titan_upipe.torchtitan_0_2.registry import register_plugin
+from titan_upipe.torchtitan_common import cpu_runtime
 
 
 def rank_device() -> torch.device:
     """This process's compute device: ``cuda:LOCAL_RANK`` when TorchTitan runs on CUDA, else the CPU."""
     register_plugin()  # it points TorchTitan at the CPU where there is no GPU (idempotent)
-    if titan_utils.device_type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    return cpu_runtime.compute_device()
 
 
 def param_dtype_of(job_config) -> torch.dtype:

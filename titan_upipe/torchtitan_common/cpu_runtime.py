@@ -194,6 +194,16 @@ class CpuDeviceModule:
 _CPU_DEVICE_MODULE = CpuDeviceModule()
 
 
+def compute_device():
+    """This process's compute device where TorchTitan's device globals now point (after :func:`activate`):
+    ``cuda:LOCAL_RANK`` on CUDA, else the CPU."""
+    import torchtitan.tools.utils as titan_utils
+
+    if titan_utils.device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def activate() -> bool:
     """Point TorchTitan at the CPU when no accelerator exists; return whether it did.
 
