@@ -11,12 +11,14 @@ from types import SimpleNamespace
 import pytest
 from trainer_utils import read_scalars
 
+from titan_upipe.costs.model_flops import (
+    causal_attention_flops_per_token,
+    torchtitan_attention_flops_per_token,
+)
 from titan_upipe.torchtitan_0_2.metrics import (
     CUSTOM_SCALARS_LAYOUT,
     LongContextMetricsProcessor,
-    causal_attention_flops_per_token,
     console_colors,
-    torchtitan_attention_flops_per_token,
 )
 
 

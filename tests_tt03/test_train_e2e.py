@@ -100,6 +100,26 @@ def test_context_parallel_matches_one_rank_on_0_3(llama3_seed, llama3_one_rank, 
     check_counters(tmp_path, cp=ranks)
 
 
+def test_tflops_count_the_causal_attention_on_0_3(llama3_one_rank):
+    """``tflops`` x 10^12 / ``throughput(tps)`` is the FLOPs per token: 6 x the non-embedding parameters (counted
+    here on the flavor's built model) + the causal attention's 6 L H D (S + 1), as on 0.2 (0.3's own count takes
+    the full square, 6 L H 2D S); ``mfu(%)`` is the same FLOPs against the device's peak."""
+    import torch
+
+    from titan_upipe.torchtitan_0_3.flavors import model_spec
+
+    with torch.device("meta"):
+        model = model_spec("upipe_llama3", "debug").model.build()
+    attention = model.layers["0"].attention
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.tok_embeddings.weight.numel()
+    flops = 6 * matmul_params + 6 * len(model.layers) * attention.n_heads * attention.head_dim * (SEQ + 1)
+    scalars = read_scalars(llama3_one_rank)
+    for (_, tflops), (_, tps), (_, mfu) in zip(scalars["tflops"], scalars["throughput(tps)"], scalars["mfu(%)"],
+                                                strict=True):
+        assert tflops * 1e12 / tps == pytest.approx(flops, rel=1e-5)
+        assert mfu / tflops == pytest.approx(scalars["mfu(%)"][0][1] / scalars["tflops"][0][1], rel=1e-5)
+
+
 def test_a_0_2_checkpoint_trains_on_0_3_as_on_0_2(on_0_2, llama3_one_rank):
     """The same job from the same weights on both versions: 0.2.2 from its own checkpoint (``on_0_2``), 0.3
     from the converted one (the one-rank reference above): equal losses, step by step."""

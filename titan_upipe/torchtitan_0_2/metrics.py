@@ -54,6 +54,7 @@ from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import Color, NoColor
 
+from titan_upipe.costs.model_flops import attention_overcount
 from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
@@ -104,16 +105,6 @@ def console_colors(disabled: bool, stream: TextIO) -> Color | NoColor:
     return Color() if not disabled and isatty is not None and isatty() else NoColor()
 
 
-def causal_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Forward + backward matmul FLOPs of causal self-attention, averaged over the tokens."""
-    return 6 * n_layers * n_heads * head_dim * (seq_len + 1)
-
-
-def torchtitan_attention_flops_per_token(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """TorchTitan 0.2.2's attention term (every query sees every key; head_dims = qk + v)."""
-    return 6 * n_layers * n_heads * (2 * head_dim) * seq_len
-
-
 class LongContextMetricsProcessor(MetricsProcessor):
     """TorchTitan's metrics with causal attention FLOPs and the grouped tags above."""
 
@@ -135,9 +126,8 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._flops_per_token = -1
         self._attention_overcount = 0
         if model_args is not None:
-            shape = (model_args.n_layers, model_args.n_heads, head_dim(model_args), job_config.training.seq_len)
-            self._attention_overcount = (torchtitan_attention_flops_per_token(*shape)
-                                         - causal_attention_flops_per_token(*shape))
+            self._attention_overcount = attention_overcount(model_args.n_layers, model_args.n_heads,
+                                                            head_dim(model_args), job_config.training.seq_len)
 
     # TorchTitan's trainer assigns its own estimate right after building this processor;
     # the setter swaps its attention term for the causal one, so TorchTitan's own

@@ -18,6 +18,8 @@
   ``n_tokens_seen``           the global batch's tokens of every step so far, the same number on
                               every rank (a checkpoint resumes under any layout)
   ``throughput(tps)``         0.3's: the rank's whole batch / (time x C), per device
+  ``tflops``, ``mfu(%)``      0.3's, from FLOPs per token with the causal attention term
+                              (``costs.model_flops``; 0.3 counts every query against every key)
   ``health/nonfinite_steps``  the non-finite steps so far (``training.on_nonfinite``:
                               ``torchtitan_common.health``, decided before the optimizer step)
   =========================== ==============================================================
@@ -36,6 +38,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
+from titan_upipe.costs.model_flops import attention_overcount
 from titan_upipe.errors import ConfigError
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.parallel.mesh import layout_mesh
@@ -69,12 +72,21 @@ class ContextParallelTrainer(Trainer):
         self.launch = launch = launch_of(config)  # the job checked before any process group
         config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
         super().__init__(config)
+        self._count_causal_attention()
         if launch.spec.documents:
             launch.eos_id = document_eos_id(self.tokenizer)
         if config.validator.enable:
             self.validator.launch = launch  # the validation batches in the attention's layout
         self.health = NonFiniteGuard(launch.on_nonfinite, float(self.lr_schedulers.schedulers[0].base_lrs[0]),
                                      self.checkpointer)
+
+    def _count_causal_attention(self) -> None:
+        """The FLOPs behind ``tflops`` and ``mfu(%)``: TorchTitan's count with its full-square attention
+        term swapped for the causal one (``costs.model_flops``), as on 0.2."""
+        model, seq_len = self.launch.spec.model, self.config.training.seq_len
+        if self.metrics_processor.num_flops_per_token > 0:
+            self.metrics_processor.num_flops_per_token -= attention_overcount(model.n_layers, model.n_heads,
+                                                                             model.head_dim, seq_len)
 
     def init_distributed(self):
         parallel_dims = super().init_distributed()
