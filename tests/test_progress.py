@@ -1,4 +1,4 @@
-"""Progress through a long step (``titan_upipe.torchtitan_0_2.progress``): the estimates and line
+"""Progress through a long step (``titan_upipe.torchtitan_common.progress``): the estimates and line
 formats, when lines are printed and the device synchronized, and the hooks on a real model's
 blocks (in process, CPU). The lines of a real launch: ``test_metrics.test_progress_lines_of_a_upipe_run``."""
 
@@ -13,7 +13,7 @@ import torch
 
 from titan_upipe.errors import ConfigError
 from titan_upipe.torchtitan_0_2.checks.training import check_metrics as check_progress
-from titan_upipe.torchtitan_0_2.progress import (
+from titan_upipe.torchtitan_common.progress import (
     BACKWARD_PER_FORWARD,
     LINES_PER_PHASE,
     StepProgress,
@@ -254,10 +254,9 @@ def test_hooks_on_a_models_blocks_report_each_block_once(checkpointed):
 def test_built_for_a_job_watches_every_block_and_waits_only_for_an_accelerator():
     from torchtitan.tools.logging import logger
 
-    from titan_upipe.torchtitan_0_2.progress import build_step_progress, device_sync
+    from titan_upipe.torchtitan_common.progress import build_step_progress, device_sync
 
-    job = SimpleNamespace(metrics=SimpleNamespace(progress_after_seconds=30), training=SimpleNamespace(steps=7))
-    progress = build_step_progress(job, [_llama3(n_layers=4)], torch.device("cpu"))
+    progress = build_step_progress(30, 7, [_llama3(n_layers=4)], torch.device("cpu"))
     assert (progress.n_blocks, progress.after_seconds, progress.total_steps) == (4, 30, 7)
     assert progress.emit == logger.info and progress.sync is None  # rank 0 (no process group) on CPU
     assert device_sync(torch.device("cpu")) is None

@@ -43,8 +43,6 @@ def test_what_0_3_does_not_host_is_refused_by_name():
     assert "validation.seq_len = 1024 is longer than training.seq_len = 512" in refusal(
         "configs/debug/llama3_upipe.toml", "--validation.enable", "--validation.steps", "1", "--validation.dataset",
         "synthetic_copy", "--validation.seq_len", "1024")
-    assert "metrics.log_all_ranks = True is not run on TorchTitan 0.3 yet" in refusal(
-        "configs/debug/llama3_upipe.toml", "--metrics.log_all_ranks")
     assert "transforms.ce_backend = 'liger' is not run on TorchTitan 0.3" in refusal(
         "configs/debug/llama3_upipe_transforms.toml", "--transforms.ce_backend", "liger")
 
@@ -162,3 +160,21 @@ def test_the_tokenizer_and_data_files_are_checked_before_launch_as_on_0_2(tmp_pa
                         "--local_data.paths", str(tmp_path / "data" / "*.jsonl"), "--model.hf_assets_path",
                         str(tmp_path / "hf")])  # its EOS, 356 tokens of the 512 the flavor embeds: no refusal
     assert good.spec.documents
+
+
+def test_ranks_other_than_0_log_errors_only_unless_log_all_ranks(monkeypatch):
+    """``metrics.log_all_ranks`` (``torchtitan_common.rank_logging``), set as the recipe is read, before the
+    job's checks (here a launch of 3 ranks, which they refuse)."""
+    import logging
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    root = logging.getLogger()
+    level = root.level
+    try:
+        refusal("configs/debug/llama3_upipe.toml")
+        assert root.level == logging.ERROR
+        refusal("configs/debug/llama3_upipe.toml", "--metrics.log_all_ranks")
+        assert root.level == logging.INFO
+    finally:
+        root.setLevel(level)

@@ -174,13 +174,31 @@ def check_counters(out, cp: int) -> None:
 
 
 def test_qwen3_upipe_matches_one_rank_on_0_3(tmp_path_factory):
-    """Qwen3 (QK norms, the cos||sin RoPE table) under UPipe on 2 ranks equals one rank."""
+    """Qwen3 (QK norms, the cos||sin RoPE table) under UPipe on 2 ranks equals one rank. The run prints every
+    step's progress (``metrics.progress_after_seconds = 0``) once, from rank 0 (rank 1 logs errors only), each
+    block of each phase and the step's end with the run's ETA, and writes the phase times to TensorBoard."""
+    import re
+
     seed = create_seed_checkpoint("configs/debug/qwen3_fsdp.toml", tmp_path_factory.mktemp("qwen_seed03"))
     one, cp = tmp_path_factory.mktemp("qwen_one03"), tmp_path_factory.mktemp("qwen_cp03")
     train(1, "configs/debug/qwen3_fsdp.toml", one, seed, "--training.local_batch_size", "2")
-    proc = train(2, "configs/debug/qwen3_upipe.toml", cp, seed, "--training.local_batch_size", "2")
-    assert "Converted attention to upipe over a CP mesh of 2 ranks" in proc.stdout + proc.stderr
+    proc = train(2, "configs/debug/qwen3_upipe.toml", cp, seed, "--training.local_batch_size", "2",
+                 "--metrics.progress_after_seconds", "0")
+    log = proc.stdout + proc.stderr
+    assert "Converted attention to upipe over a CP mesh of 2 ranks" in log
     assert_losses_close(losses(cp), losses(one), rtol=1e-5)
+    lines = re.findall(r"- INFO - (step \d+/3  .*)", log)
+    for step in range(1, 4):
+        assert len(re.findall(rf"- INFO - .*step:\s+{step}\s", log)) == 1, log[-4000:]  # TorchTitan's step line
+        mine = [line for line in lines if line.startswith(f"step {step}/3  ")]
+        where = [line.split("elapsed")[0].split(None, 2)[-1].strip() for line in mine[:-1]]
+        assert where == ["forward    block 1/2", "forward    block 2/2", "backward   block 1/2",
+                         "backward   block 2/2", "optimizer"], mine
+        assert re.fullmatch(rf"step {step}/3  \S+ \(forward \S+, backward \S+, optimizer \S+\)  "
+                            rf"run ETA \S+ at \S+/step \(last {step}\)", mine[-1]), mine[-1]
+    scalars = read_scalars(cp)
+    for phase in ("forward", "backward", "optimizer"):
+        assert [s for s, v in scalars[f"progress/{phase}_seconds"] if v > 0] == [1, 2, 3], phase
 
 
 def test_a_diverging_learning_rate_stops_the_job_in_one_line_on_0_3(tmp_path):

@@ -261,7 +261,7 @@ class TrainingHealth:
 class MetricsConsole:
     """Fields merged into TorchTitan's own ``[metrics]`` section: what the console shows (the merged
     section keeps TorchTitan's class). Progress lines through a long step:
-    ``titan_upipe.torchtitan_0_2.progress``, checked by ``checks.training.check_metrics``."""
+    ``titan_upipe.torchtitan_common.progress``, checked by ``checks.training.check_metrics``."""
 
     progress_after_seconds: float = 60.0
     """Once a step has run this long (or the previous one did), rank 0 logs its forward, backward and

@@ -47,6 +47,7 @@ from titan_upipe.torchtitan_0_2.memory_guard import prepare_launch
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
 from titan_upipe.torchtitan_0_2.worker_exit import error_line, exit_after_start, exit_before_start
+from titan_upipe.torchtitan_common import rank_logging
 
 CHECK_ONLY_FLAG = "--check-only"
 WORLD_SIZE_FLAG = "--world-size"
@@ -72,14 +73,10 @@ def launch_options(args: list[str]) -> tuple[bool, int | None, list[str]]:
 
 
 def log_on_rank_zero_only(config=None) -> None:
-    """Rank 0 alone logs INFO and WARNING lines unless ``metrics.log_all_ranks``: TorchTitan logs
-    the model arguments, its start-up warnings and every step line from each rank (N copies under
-    torchrun, the same on every rank). The other ranks keep their errors, which may be theirs alone.
-    Called before the config is parsed (None: parsing logs too) and again with it."""
-    if is_rank_zero():
-        return
-    every_rank = config is not None and plugin_fields(config.metrics, MetricsConsole).log_all_ranks
-    logging.getLogger().setLevel(logging.INFO if every_rank else logging.ERROR)
+    """Rank 0 alone logs INFO and WARNING lines unless ``metrics.log_all_ranks``
+    (``torchtitan_common.rank_logging``). Called before the config is parsed (None: parsing logs
+    too) and again with it."""
+    rank_logging.log_on_rank_zero_only(config is not None and plugin_fields(config.metrics, MetricsConsole).log_all_ranks)
 
 
 def launched_world_size() -> int:

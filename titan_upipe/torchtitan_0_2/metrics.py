@@ -33,7 +33,7 @@ data/ring_work_busiest_over_*  packed documents on a ring: the busiest ring rank
                                ``_documents`` under the batch's own layout (``parallel.DocumentZigzagLayout``),
                                whichever ``upipe.document_balance`` runs; batch mean since the last log
 progress/<phase>_seconds       forward, backward, optimizer time of a step timed with the progress
-                               on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_0_2.progress)
+                               on (``metrics.progress_after_seconds``; titan_upipe.torchtitan_common.progress)
 health/nonfinite_steps         steps so far whose loss or gradient norm was NaN or infinite, also written
                                at each such step (``training.on_nonfinite``; titan_upipe.torchtitan_0_2.health)
 ============================== ==============================================

@@ -24,7 +24,7 @@
   the first C times too large and the second the max of ``L_{d,c} / N_d`` (about the mean / C).
 * **Document statistics.** A packed corpus's document lengths go to the metrics (``data/…`` tags).
 * **Progress.** The step's phases and blocks, for the long-step lines, the ``progress/…`` tags
-  and the run's ETA (``titan_upipe.torchtitan_0_2.progress``).
+  and the run's ETA (``titan_upipe.torchtitan_common.progress``).
 * **Health.** A step whose loss or gradient norm is NaN or infinite stops the job, skips its update
   or warns (``training.on_nonfinite``; ``titan_upipe.torchtitan_0_2.health``), decided before the
   optimizer step and the same on every rank.
@@ -44,6 +44,7 @@ from torchtitan.train import Trainer
 
 from titan_upipe.parallel.inputs import valid_tokens
 from titan_upipe.torchtitan_0_2.checkpoint_errors import SaveErrorReporter
+from titan_upipe.torchtitan_0_2.config import MetricsConsole, plugin_fields
 from titan_upipe.torchtitan_0_2.cp_inputs import (
     batch_ring_work,
     document_eos_id,
@@ -53,8 +54,8 @@ from titan_upipe.torchtitan_0_2.cp_inputs import (
 )
 from titan_upipe.torchtitan_0_2.health import NONFINITE_TAG, build_guard, global_step_values
 from titan_upipe.torchtitan_0_2.launched_job import launched_job
-from titan_upipe.torchtitan_0_2.progress import build_step_progress
 from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
+from titan_upipe.torchtitan_common.progress import build_step_progress
 from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -68,7 +69,8 @@ class ContextParallelTrainer(Trainer):
         take_stats = getattr(self.dataloader, "take_document_stats", None)
         if take_stats is not None and hasattr(self.metrics_processor, "document_stats"):
             self.metrics_processor.document_stats = take_stats
-        self.progress = build_step_progress(job_config, self.model_parts, self.device)
+        self.progress = build_step_progress(plugin_fields(job_config.metrics, MetricsConsole).progress_after_seconds,
+                                            job_config.training.steps, self.model_parts, self.device)
         self.health = build_guard(job_config, self.checkpointer)
         self._logged_document_layout = False
 

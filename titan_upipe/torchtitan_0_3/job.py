@@ -86,11 +86,6 @@ def check_world_size(parallelism, world_size: int) -> None:
                           f"{others} ranks, or set the degrees to multiply to {world_size}")
 
 
-UNHOSTED_DEFAULTS = {"metrics.progress_after_seconds": ("metrics", "progress_after_seconds"),
-                     "metrics.log_all_ranks": ("metrics", "log_all_ranks")}
-"""The plugin's fields 0.3 does not act on yet: refused unless at their defaults (never dropped silently)."""
-
-
 def _unhosted(what: str, valid: str) -> ConfigError:
     return ConfigError(f"{what} is not run on TorchTitan 0.3 yet: valid values there are {valid}; drop it or run on "
                        "TorchTitan 0.2.2 (docs/torchtitan_versions.md)")
@@ -108,10 +103,6 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
         check_tsp(recipe, spec)
     if spec.optimizer_state_on_host:
         check_host_state(recipe.trainer.optimizer)
-    for key, (section, name) in UNHOSTED_DEFAULTS.items():
-        value, default = getattr(recipe.plugin[section], name), getattr(type(recipe.plugin[section])(), name)
-        if value != default:
-            raise _unhosted(f"{key} = {value!r}", f"its default ({default!r})")
     if spec.fused_rope and spec.layout.mode is None:
         raise ConfigError("fused_rope on TorchTitan 0.3 rotates Q/K in place inside the plugin's context-parallel "
                           "attention: add a CP converter (ulysses, upipe, ring, usp) to model.converters, or drop "

@@ -20,6 +20,9 @@
   ``throughput(tps)``         0.3's: the rank's whole batch / (time x C), per device
   ``tflops``, ``mfu(%)``      0.3's, from FLOPs per token with the causal attention term
                               (``costs.model_flops``; 0.3 counts every query against every key)
+  ``progress/…_seconds``      the step's forward, backward and optimizer times
+                              (``torchtitan_common.progress``, which prints a long step's progress
+                              lines on rank 0 past ``metrics.progress_after_seconds``, as on 0.2)
   ``health/nonfinite_steps``  the non-finite steps so far (``training.on_nonfinite``:
                               ``torchtitan_common.health``, decided before the optimizer step)
   =========================== ==============================================================
@@ -48,6 +51,7 @@ from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
 from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_common.health import NONFINITE_TAG, NonFiniteGuard, global_step_values
+from titan_upipe.torchtitan_common.progress import build_step_progress
 from titan_upipe.torchtitan_common.step_losses import reduce_step_losses
 
 
@@ -79,6 +83,8 @@ class ContextParallelTrainer(Trainer):
             self.validator.launch = launch  # the validation batches in the attention's layout
         self.health = NonFiniteGuard(launch.on_nonfinite, float(self.lr_schedulers.schedulers[0].base_lrs[0]),
                                      self.checkpointer)
+        self.progress = build_step_progress(config.recipe.plugin["metrics"].progress_after_seconds,
+                                            config.training.steps, self.model_parts, self.device)
 
     def _count_causal_attention(self) -> None:
         """The FLOPs behind ``tflops`` and ``mfu(%)``: TorchTitan's count with its full-square attention
@@ -108,6 +114,7 @@ class ContextParallelTrainer(Trainer):
     def train_step(self, data_iterator) -> None:
         """One optimizer step over ``gradient_accumulation_steps`` microbatches, losses over the
         global valid-token count; logs the counters of the module docstring."""
+        self.progress.begin_step(self.step, self.gradient_accumulation_steps)
         self.optimizers.zero_grad()
         lr_metrics = self.lr_schedulers.get_metrics()
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
@@ -121,10 +128,12 @@ class ContextParallelTrainer(Trainer):
         losses = []
         for input_dict, labels in microbatches:
             input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            self.progress.begin_microbatch()
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
                                               global_valid_tokens=global_valid)
             losses.append(loss.detach())
 
+        self.progress.begin_optimizer()
         grad_norm = clip_grad_norm_(  # by mesh: TSP's weights and FSDP's shards live on two
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -137,12 +146,15 @@ class ContextParallelTrainer(Trainer):
             self.lr_schedulers.step()
         else:  # skip_step, stop: the update would carry NaN or inf into the weights
             self.optimizers.zero_grad()
+        phase_times = self.progress.end_step()
         if action is not None or self.metrics_processor.should_log(self.step):
             avg_loss, max_loss = reduce_step_losses(self.parallel_dims, torch.stack(losses).sum(), global_valid,
                                                        batch_valid)
             self.metrics_processor.log(self.step, avg_loss, max_loss, values.grad_norm,
                                        extra_metrics={"n_tokens_seen": self.ntokens_seen,
-                                                      NONFINITE_TAG: self.health.nonfinite_steps, **lr_metrics})
+                                                      NONFINITE_TAG: self.health.nonfinite_steps, **lr_metrics,
+                                                      **phase_times})
+            self.progress.report_step_end()
         if action == "stop":
             raise self.health.stopped(values)
 

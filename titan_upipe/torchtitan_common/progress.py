@@ -3,7 +3,7 @@
 At millions of tokens one step runs for tens of minutes, and TorchTitan logs ``step: N`` only
 when it ends. :class:`StepProgress` follows a step through hooks on the model's transformer
 blocks (``model.layers``, :func:`watch_blocks`) and marks from the trainer
-(``trainer.ContextParallelTrainer``):
+(each adapter's ``trainer.ContextParallelTrainer``: TorchTitan 0.2.2 and 0.3 alike):
 
 ==========  ==========================================================================
 phase       from … to …
@@ -46,8 +46,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torchtitan.tools.logging import logger
-
-from titan_upipe.torchtitan_0_2.config import MetricsConsole, plugin_fields
 
 PHASES = ("forward", "backward", "optimizer")
 BLOCK_PHASES = ("forward", "backward")
@@ -296,14 +294,14 @@ def device_sync(device: torch.device) -> Callable[[], None] | None:
     return lambda: torch.accelerator.synchronize(device)
 
 
-def build_step_progress(job_config, model_parts: Iterable[nn.Module], device: torch.device) -> StepProgress:
-    """A :class:`StepProgress` watching ``model_parts``; only global rank 0 prints."""
+def build_step_progress(after_seconds: float, total_steps: int, model_parts: Iterable[nn.Module],
+                        device: torch.device) -> StepProgress:
+    """A :class:`StepProgress` watching ``model_parts`` (``metrics.progress_after_seconds``, ``training.steps``);
+    only global rank 0 prints."""
     parts = list(model_parts)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    progress = StepProgress(sum(len(transformer_blocks(m)) for m in parts),
-                            plugin_fields(job_config.metrics, MetricsConsole).progress_after_seconds,
-                            job_config.training.steps, emit=logger.info if rank == 0 else None,
-                            sync=device_sync(device))
+    progress = StepProgress(sum(len(transformer_blocks(m)) for m in parts), after_seconds, total_steps,
+                            emit=logger.info if rank == 0 else None, sync=device_sync(device))
     for model in parts:
         watch_blocks(model, progress)
     return progress
