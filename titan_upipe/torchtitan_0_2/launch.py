@@ -47,7 +47,7 @@ from titan_upipe.torchtitan_0_2.memory_guard import prepare_launch
 from titan_upipe.torchtitan_0_2.registry import register_plugin
 from titan_upipe.torchtitan_0_2.trainer import ContextParallelTrainer
 from titan_upipe.torchtitan_0_2.worker_exit import error_line, exit_after_start, exit_before_start
-from titan_upipe.torchtitan_common import rank_logging
+from titan_upipe.torchtitan_common import console
 
 CHECK_ONLY_FLAG = "--check-only"
 WORLD_SIZE_FLAG = "--world-size"
@@ -74,9 +74,9 @@ def launch_options(args: list[str]) -> tuple[bool, int | None, list[str]]:
 
 def log_on_rank_zero_only(config=None) -> None:
     """Rank 0 alone logs INFO and WARNING lines unless ``metrics.log_all_ranks``
-    (``torchtitan_common.rank_logging``). Called before the config is parsed (None: parsing logs
+    (``torchtitan_common.console``). Called before the config is parsed (None: parsing logs
     too) and again with it."""
-    rank_logging.log_on_rank_zero_only(config is not None and plugin_fields(config.metrics, MetricsConsole).log_all_ranks)
+    console.log_on_rank_zero_only(config is not None and plugin_fields(config.metrics, MetricsConsole).log_all_ranks)
 
 
 def launched_world_size() -> int:

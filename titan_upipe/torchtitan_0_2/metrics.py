@@ -48,17 +48,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
 from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
 from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import Color, NoColor
 
 from titan_upipe.costs.model_flops import attention_overcount
 from titan_upipe.spec.cp_layout import cp_mode
 from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim
+from titan_upipe.torchtitan_common.console import console_colors
 from titan_upipe.transforms.offload import OFFLOAD_STATS
 
 GIB = 1024**3
@@ -96,13 +96,6 @@ CUSTOM_SCALARS_LAYOUT = {
                                          "progress/optimizer_seconds"]),
     },
 }
-
-
-def console_colors(disabled: bool, stream: TextIO) -> Color | NoColor:
-    """TorchTitan's colour codes for ``stream``: none when ``metrics.disable_color_printing`` or when
-    the stream is not a terminal (escape codes would land in the file)."""
-    isatty = getattr(stream, "isatty", None)
-    return Color() if not disabled and isatty is not None and isatty() else NoColor()
 
 
 class LongContextMetricsProcessor(MetricsProcessor):

@@ -5,8 +5,8 @@ ContextParallelTrainer.Config``, which builds that trainer) with the settings be
 (:func:`apply_plugin_settings`); the trainer, before
 ``Trainer.__init__`` starts a process group, builds the job's ``JobSpec`` from that config as it stands
 then (a CLI override of ``torchtitan.train`` included) and checks it (:func:`launch_of`):
-:func:`check_world_size`, :func:`check_hosted` (what 0.3 does not host yet, by name, and a checkpoint of
-0.2.2), :func:`check_inputs` (the tokenizer and data files), ``prepare.prepare_job``
+:func:`check_world_size`, :func:`check_hosted` (what 0.3 does not host yet, by name), the files (the
+dataset, :func:`check_inputs`: the tokenizer and data files; a checkpoint of 0.2.2), ``prepare.prepare_job``
 (``keep_attention = "auto"`` sized, the memory guard).
 
 =========================== ===================================================================
@@ -118,9 +118,7 @@ def check_hosted(recipe: Recipe, spec: JobSpec) -> None:
         raise ConfigError("activation_checkpoint.keep_attention keeps the plugin's context-parallel attention inside "
                           "offloaded checkpointing: valid with a CP converter (ulysses, upipe, ring, usp, tsp) and "
                           "activation_checkpoint.cpu_offload = true; else set keep_attention = \"off\"")
-    check_dataset(recipe.trainer.dataloader.dataset)
     check_validation(recipe.trainer, spec)
-    check_checkpoint_version(recipe.trainer)
 
 
 def check_tsp(recipe: Recipe, spec: JobSpec) -> None:
@@ -232,13 +230,16 @@ def fit_rope(config) -> None:
 def checked_spec(recipe: Recipe, world_size: int | None, files: bool = True) -> JobSpec:
     """The recipe's ``JobSpec`` on ``world_size`` ranks (None: the configured degrees' product) once every
     pre-launch check passed (ConfigError: the first that fails). The launch and ``validate`` both run these;
-    ``files=False`` (``validate --no-assets``): all but the tokenizer and data files."""
+    ``files=False`` (``validate --no-assets``, the parity check, which draws its own tokens and loads no
+    checkpoint): all but the dataset, the tokenizer and data files and the checkpoint's version."""
     spec = job_spec(recipe, world_size)
     check_world_size(recipe.trainer.parallelism, spec.world_size)
     check_torchtitan_settings(recipe.trainer, spec)
     check_hosted(recipe, spec)
     if files:
+        check_dataset(recipe.trainer.dataloader.dataset)
         check_inputs(recipe, spec)
+        check_checkpoint_version(recipe.trainer)
     return spec
 
 

@@ -17,7 +17,7 @@ from torchtitan.tools.logging import init_logger
 from titan_upipe.errors import ConfigError, TrainingStopped, exit_once
 from titan_upipe.torchtitan_0_3.recipe import load_recipe
 from titan_upipe.torchtitan_0_3.trainer import ContextParallelTrainer, plugin_config
-from titan_upipe.torchtitan_common.rank_logging import log_on_rank_zero_only
+from titan_upipe.torchtitan_common.console import log_on_rank_zero_only
 
 TRAINING_STOPPED_STATUS = 3
 """The exit status of a run that ``training.on_nonfinite = "stop"`` ended (as on 0.2)."""
@@ -25,18 +25,15 @@ TRAINING_STOPPED_STATUS = 3
 
 def build_trainer(argv: list[str]) -> ContextParallelTrainer:
     """The trainer of a recipe's job on this launch's ranks (``WORLD_SIZE``): ConfigError, before any
-    process group, for a setting the job's checks refuse (``job.launch_of``). Ranks other than 0 log
-    errors only from here on, unless ``metrics.log_all_ranks`` (``torchtitan_common.rank_logging``)."""
-    recipe = load_recipe(argv)
-    log_on_rank_zero_only(recipe.plugin["metrics"].log_all_ranks)
-    return plugin_config(recipe).build()
+    process group, for a setting the job's checks refuse (``job.launch_of``)."""
+    return plugin_config(load_recipe(argv)).build()
 
 
 def train_main(argv: list[str] | None = None) -> None:
     """``python -m titan_upipe.train`` on 0.3: a wrong setting exits with one line (status 2)."""
     argv = sys.argv[1:] if argv is None else argv
     init_logger()
-    log_on_rank_zero_only()  # reading the recipe logs too
+    log_on_rank_zero_only()  # reading the recipe logs too; the trainer applies metrics.log_all_ranks
     try:
         trainer = build_trainer(argv)
     except ConfigError as error:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from titan_upipe.data.synthetic import SYNTHETIC_DATASETS
 from titan_upipe.errors import ConfigError
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, packs_documents
 from titan_upipe.torchtitan_0_2.job_assets.model_state import job_model_state
@@ -27,6 +28,8 @@ def _packs_documents(job_config) -> bool:
 
 
 def check_tokenizer(job_config) -> None:
+    if job_config.training.dataset in SYNTHETIC_DATASETS:  # their own tokenizer: no model state needed
+        return
     model = job_model_state(job_config)
     job_inputs.check_tokenizer(job_config.training.dataset, job_config.model.hf_assets_path,
                                model_name=job_config.model.name, flavor=job_config.model.flavor,
