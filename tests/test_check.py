@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from check_ranks import check_in_pool
 from dist_utils import run_distributed
 from trainer_utils import REPO
 
@@ -43,20 +44,6 @@ def test_parity_check_passes(config, nproc, overrides):
     assert "gradients:" in proc.stdout
 
 
-def _check_in_pool(rank, world, mesh, config, *extra):
-    """``run_check`` on a rank of the shared pool (no torchrun start); (exit code, rank 0's report)."""
-    import contextlib
-    import io
-
-    from titan_upipe.tools.parity import run_check
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = run_check(["--job.config_file", str(REPO / config), "--seq-len", "64", *extra])
-    return code, out.getvalue()
-
-
 IN_PROCESS_CONFIGS = [
     # USP: ring 2 x Ulysses 2 on a 2-D mesh
     ("configs/debug/usp.toml", 4),
@@ -67,13 +54,13 @@ IN_PROCESS_CONFIGS = [
 
 @pytest.mark.parametrize("config,nproc", IN_PROCESS_CONFIGS, ids=[c for c, _ in IN_PROCESS_CONFIGS])
 def test_parity_check_in_process(config, nproc):
-    results = run_distributed(nproc, _check_in_pool, config)
+    results = run_distributed(nproc, check_in_pool, config)
     assert [code for code, _ in results] == [0] * nproc, results[0][1][-3000:]
     assert "PARITY OK" in results[0][1] and "gradients:" in results[0][1]
 
 
 def test_parity_check_bf16_reports_nonzero_errors_within_tolerance():
-    results = run_distributed(2, _check_in_pool, "configs/debug/qwen3_upipe.toml", "--dtype", "bfloat16")
+    results = run_distributed(2, check_in_pool, "configs/debug/qwen3_upipe.toml", "--dtype", "bfloat16")
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
     lines = results[0][1].splitlines()
     # Without fused_rope the converted attention keeps TorchTitan's op order: the forward is

@@ -5,11 +5,10 @@ from __future__ import annotations
 import glob
 import io
 import math
-import re
 from types import SimpleNamespace
 
 import pytest
-from trainer_utils import read_scalars
+from trainer_utils import assert_progress_lines, read_scalars
 
 from titan_upipe.costs.model_flops import (
     causal_attention_flops_per_token,
@@ -134,14 +133,7 @@ def test_progress_lines_of_a_upipe_run(upipe_text_job):
     TensorBoard, no colour codes in the redirected console."""
     console = (upipe_text_job / "console.log").read_text()
     assert "\033[" not in console
-    lines = re.findall(r"- INFO - (step \d+/4  .*)", console)
-    for step in range(1, 5):
-        mine = [line for line in lines if line.startswith(f"step {step}/4  ")]
-        where = [line.split("elapsed")[0].split(None, 2)[-1].strip() for line in mine[:-1]]
-        assert where == ["forward    block 1/2", "forward    block 2/2", "backward   block 1/2",
-                         "backward   block 2/2", "optimizer"], mine
-        assert re.fullmatch(rf"step {step}/4  \S+ \(forward \S+, backward \S+, optimizer \S+\)  "
-                            rf"run ETA \S+ at \S+/step \(last {step}\)", mine[-1]), mine[-1]
+    lines = assert_progress_lines(console, 4)
     assert "(from this step's blocks)" in lines[0] and "(from step 1)" in lines[6]
     scalars = read_scalars(upipe_text_job)
     phases = {phase: dict(scalars[f"progress/{phase}_seconds"]) for phase in ("forward", "backward", "optimizer")}

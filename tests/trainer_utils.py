@@ -135,3 +135,18 @@ def layout_counts(folder: Path) -> list[int]:
     ranks = sorted(folder.glob("counts/rank*"), key=lambda p: int(p.name.removeprefix("rank")))
     assert not [p for p in folder.glob("counts/pid*") if p.read_text() != "0"], "the launcher built a layout"
     return [int(p.read_text()) for p in ranks]
+
+
+def assert_progress_lines(console: str, steps: int) -> list[str]:
+    """Each step's progress lines of a 2-block model in ``console``, once (``torchtitan_common.progress``,
+    ``metrics.progress_after_seconds = 0``): the blocks of the forward and the backward, the optimizer, and the
+    step's end with the run's ETA. Returns the lines."""
+    lines = re.findall(rf"- INFO - (step \d+/{steps}  .*)", console)
+    for step in range(1, steps + 1):
+        mine = [line for line in lines if line.startswith(f"step {step}/{steps}  ")]
+        where = [line.split("elapsed")[0].split(None, 2)[-1].strip() for line in mine[:-1]]
+        assert where == ["forward    block 1/2", "forward    block 2/2", "backward   block 1/2",
+                         "backward   block 2/2", "optimizer"], mine
+        assert re.fullmatch(rf"step {step}/{steps}  \S+ \(forward \S+, backward \S+, optimizer \S+\)  "
+                            rf"run ETA \S+ at \S+/step \(last {step}\)", mine[-1]), mine[-1]
+    return lines

@@ -4,25 +4,9 @@ shared gloo rank pools (fp32), for every CP mode; a wrong layout fails."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-
 import pytest
+from check_ranks import check_in_pool
 from dist_utils import run_distributed
-from trainer_utils import REPO
-
-
-def _check_in_pool(rank, world, mesh, config, *extra):
-    """``run_check`` on a rank of the shared pool (no torchrun start); (exit code, rank 0's report)."""
-    from titan_upipe.tools.parity import run_check
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = run_check(["--job.config_file", str(REPO / config), "--seq-len", "64", *extra])
-    return code, out.getvalue()
-
 
 CASES = [
     # (config, ranks, overrides)
@@ -37,7 +21,7 @@ CASES = [
 @pytest.mark.parametrize("config, ranks, overrides", CASES, ids=["upipe-transforms", "usp", "tsp", "documents",
                                                                   "qwen3"])
 def test_the_parity_check_passes_on_0_3(config, ranks, overrides):
-    results = run_distributed(ranks, _check_in_pool, config, *overrides)
+    results = run_distributed(ranks, check_in_pool, config, *overrides)
     report = results[0][1]
     assert [code for code, _ in results] == [0] * ranks, report[-3000:]
     assert "PARITY OK" in report and "gradients:" in report, report
@@ -55,7 +39,7 @@ def _check_with_flipped_tokens(rank, world, mesh, config):
 
     inputs.shard_sequence = flipped
     try:
-        return _check_in_pool(rank, world, mesh, config)
+        return check_in_pool(rank, world, mesh, config)
     finally:
         inputs.shard_sequence = real
 

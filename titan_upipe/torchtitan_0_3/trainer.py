@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Any
@@ -49,7 +50,7 @@ from titan_upipe.torchtitan_0_3.cp_inputs import document_eos_id, shard_for_atte
 from titan_upipe.torchtitan_0_3.job import apply_plugin_settings, launch_of
 from titan_upipe.torchtitan_0_3.parallelize import parallelize
 from titan_upipe.torchtitan_0_3.recipe import Recipe
-from titan_upipe.torchtitan_common.console import log_on_rank_zero_only
+from titan_upipe.torchtitan_common.console import colours_off, log_on_rank_zero_only
 from titan_upipe.torchtitan_common.grad_norm import clip_grad_norm_
 from titan_upipe.torchtitan_common.health import NONFINITE_TAG, NonFiniteGuard, global_step_values
 from titan_upipe.torchtitan_common.progress import build_step_progress
@@ -74,8 +75,10 @@ class ContextParallelTrainer(Trainer):
             raise ConfigError("ContextParallelTrainer.Config carries no recipe: build it with "
                               "titan_upipe.torchtitan_0_3.job.plugin_config(recipe) (or a config function of "
                               "titan_upipe.torchtitan_0_3.config_registry)")
-        # rank 0 alone logs, unless metrics.log_all_ranks (both entry points: titan_upipe.train, torchtitan.train)
+        # rank 0 alone logs, unless metrics.log_all_ranks (both entry points: titan_upipe.train, torchtitan.train);
+        # colour codes only on a terminal (0.3 colours its lines whatever the stream)
         log_on_rank_zero_only(config.recipe.plugin["metrics"].log_all_ranks)
+        config.metrics.disable_color_printing = colours_off(config.metrics.disable_color_printing, sys.stdout)
         self.launch = launch = launch_of(config)  # the job checked before any process group
         config.model_spec = dataclasses.replace(config.model_spec, parallelize_fn=partial(parallelize, launch=launch))
         super().__init__(config)

@@ -25,8 +25,13 @@ def log_on_rank_zero_only(every_rank: bool = False) -> None:
     logging.getLogger().setLevel(logging.INFO if every_rank else logging.ERROR)
 
 
-def console_colors(disabled: bool, stream: TextIO) -> Color | NoColor:
-    """TorchTitan's colour codes for ``stream``: none when ``metrics.disable_color_printing`` or when
-    the stream is not a terminal (escape codes would land in the file)."""
+def colours_off(disabled: bool, stream: TextIO) -> bool:
+    """No colour codes on ``stream``: ``metrics.disable_color_printing``, or the stream is not a terminal
+    (escape codes would land in the file)."""
     isatty = getattr(stream, "isatty", None)
-    return Color() if not disabled and isatty is not None and isatty() else NoColor()
+    return disabled or isatty is None or not isatty()
+
+
+def console_colors(disabled: bool, stream: TextIO) -> Color | NoColor:
+    """TorchTitan's colour codes for ``stream`` (none where :func:`colours_off`)."""
+    return NoColor() if colours_off(disabled, stream) else Color()
