@@ -71,7 +71,7 @@ def _parse_layout(serialized: bytes) -> Layout:
 
 
 def plugin_layout() -> Layout:
-    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_common.dashboard import CUSTOM_SCALARS_LAYOUT
 
     return {group: {title: list(tags) for title, (_, tags) in charts.items()}
             for group, charts in CUSTOM_SCALARS_LAYOUT.items()}

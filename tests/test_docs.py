@@ -102,7 +102,7 @@ def test_every_converter_and_train_spec_is_documented():
 
 
 def _layout_tags() -> list[str]:
-    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_common.dashboard import CUSTOM_SCALARS_LAYOUT
 
     return [tag for group in CUSTOM_SCALARS_LAYOUT.values() for _, tags in group.values() for tag in tags]
 
@@ -124,7 +124,7 @@ def _plot_dashboard():
 def test_plot_dashboard_renders_a_png(tmp_path, with_layout):
     from torch.utils.tensorboard import SummaryWriter
 
-    from titan_upipe.torchtitan_0_2.metrics import CUSTOM_SCALARS_LAYOUT
+    from titan_upipe.torchtitan_common.dashboard import CUSTOM_SCALARS_LAYOUT
 
     run = tmp_path / "tb" / "20260101-0000"  # the trainer's <dump_folder>/tb/<timestamp> layout
     writer = SummaryWriter(str(run))

@@ -14,11 +14,9 @@ from titan_upipe.costs.model_flops import (
     causal_attention_flops_per_token,
     torchtitan_attention_flops_per_token,
 )
-from titan_upipe.torchtitan_0_2.metrics import (
-    CUSTOM_SCALARS_LAYOUT,
-    LongContextMetricsProcessor,
-    console_colors,
-)
+from titan_upipe.torchtitan_0_2.metrics import LongContextMetricsProcessor
+from titan_upipe.torchtitan_common.console import console_colors
+from titan_upipe.torchtitan_common.dashboard import CUSTOM_SCALARS_LAYOUT
 
 
 def _counted_causal_attention_flops(n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:

@@ -122,6 +122,25 @@ def test_tflops_count_the_causal_attention_on_0_3(llama3_one_rank):
         assert mfu == pytest.approx(100 * flops * tps / 312e12, rel=1e-5)
 
 
+def test_the_plugins_grouped_tags_on_0_3(llama3_one_rank):
+    """The plugin's Loss, Throughput and Memory tags (``torchtitan_common.dashboard``) beside 0.3's own, at every
+    logged step, each the same quantity as 0.3's counterpart (read a few microseconds apart)."""
+    from titan_upipe.torchtitan_common.dashboard import CUSTOM_SCALARS_LAYOUT
+
+    scalars = read_scalars(llama3_one_rank)
+    steps = list(range(1, int(STEPS) + 1))
+    grouped = [tag for group in ("Loss", "Throughput", "Memory") for _, tags in CUSTOM_SCALARS_LAYOUT[group].values()
+               for tag in tags if tag.startswith(("loss/", "throughput/", "memory/"))]
+    assert len(grouped) == 9 and all([s for s, _ in scalars[tag]] == steps for tag in grouped), sorted(scalars)
+    same = {"loss/global_avg": ("loss_metrics/global_avg_loss", 1e-7), "throughput/tokens_per_s_per_gpu":
+            ("throughput(tps)", 1e-2), "throughput/tflops_per_gpu": ("tflops", 1e-2),
+            "throughput/mfu_pct": ("mfu(%)", 1e-2), "throughput/step_time_s": ("time_metrics/end_to_end(s)", 1e-2)}
+    for tag, (theirs, rel) in same.items():
+        for (_, ours), (_, value) in zip(scalars[tag], scalars[theirs], strict=True):
+            assert ours == pytest.approx(value, rel=rel), (tag, ours, value)
+    assert all(0 < v < 24 for _, v in scalars["memory/peak_allocated_gib"])  # the CPU's resident set, in GiB
+
+
 def test_a_0_2_checkpoint_trains_on_0_3_as_on_0_2(on_0_2, llama3_one_rank):
     """The same job from the same weights on both versions: 0.2.2 from its own checkpoint (``on_0_2``), 0.3
     from the converted one (the one-rank reference above): equal losses, step by step."""

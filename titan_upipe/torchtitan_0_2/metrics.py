@@ -50,7 +50,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan.components.metrics import MetricsProcessor, TensorBoardLogger
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
 from titan_upipe.costs.model_flops import attention_overcount
@@ -59,43 +59,12 @@ from titan_upipe.torchtitan_0_2.checks import attention_backend_choice
 from titan_upipe.torchtitan_0_2.checks.keep_attention import known_keep_attention_plan
 from titan_upipe.torchtitan_0_2.flavors import flavor_args, head_dim
 from titan_upipe.torchtitan_common.console import console_colors
-from titan_upipe.transforms.offload import OFFLOAD_STATS
-
-GIB = 1024**3
-
-CUSTOM_SCALARS_LAYOUT = {
-    "Loss": {
-        "loss": ("Multiline", ["loss/global_avg", "loss_metrics/global_avg_loss"]),
-        # The worst data-parallel batch's mean (titan_upipe.torchtitan_0_2.trainer), the mean itself without DP.
-        "max batch loss": ("Multiline", ["loss_metrics/global_max_loss"]),
-        "validation loss": ("Multiline", ["validation_metrics/loss"]),
-        "grad norm": ("Multiline", ["grad_norm"]),
-        # rises at the step whose loss or gradient norm went NaN or infinite (torchtitan_0_2/health.py)
-        "non-finite steps": ("Multiline", ["health/nonfinite_steps"]),
-    },
-    "Throughput": {
-        "tokens/s per GPU": ("Multiline", ["throughput/tokens_per_s_per_gpu"]),
-        "step time (s)": ("Multiline", ["throughput/step_time_s"]),
-        "TFLOP/s per GPU (causal)": ("Multiline", ["throughput/tflops_per_gpu"]),
-        "MFU % (causal)": ("Multiline", ["throughput/mfu_pct"]),
-    },
-    "Memory": {
-        "peak GiB": ("Multiline", ["memory/peak_allocated_gib", "memory/peak_reserved_gib"]),
-        "allocator retries": ("Multiline", ["memory/alloc_retries"]),
-        "offload host GiB": ("Multiline", ["memory/offload_host_gib"]),
-    },
-    "Data": {
-        "document tokens": ("Multiline", ["data/doc_tokens_p50", "data/doc_tokens_p90", "data/doc_tokens_max"]),
-        "% tokens in long documents": ("Multiline", ["data/tokens_in_docs_ge_32k_pct",
-                                                     "data/tokens_in_docs_ge_seq_len_pct"]),
-        "ring work busiest / mean": ("Multiline", ["data/ring_work_busiest_over_mean_zigzag",
-                                                   "data/ring_work_busiest_over_mean_documents"]),
-    },
-    "Progress": {
-        "phase time (s)": ("Multiline", ["progress/forward_seconds", "progress/backward_seconds",
-                                         "progress/optimizer_seconds"]),
-    },
-}
+from titan_upipe.torchtitan_common.dashboard import (
+    grouped_metrics,
+    start_offload_window,
+    tensorboard_writers,
+    write_layout,
+)
 
 
 class LongContextMetricsProcessor(MetricsProcessor):
@@ -134,13 +103,10 @@ class LongContextMetricsProcessor(MetricsProcessor):
         self._flops_per_token = value if value <= 0 else value - self._attention_overcount
 
     def _write_custom_scalars_layout(self) -> None:
-        for writer in self._tensorboard_writers():
-            writer.add_custom_scalars(CUSTOM_SCALARS_LAYOUT)
+        write_layout(self.logger)
 
     def _tensorboard_writers(self) -> list:
-        # TorchTitan wraps its loggers in a LoggerContainer; ranks that do not log hold none.
-        loggers = getattr(self.logger, "_loggers", [self.logger])
-        return [tb.writer for tb in loggers if isinstance(tb, TensorBoardLogger)]
+        return tensorboard_writers(self.logger)
 
     def _write_attention_backend(self, job_config) -> None:
         """The kernel the attention converter runs (``auto`` resolved), as the run's text tag
@@ -171,7 +137,7 @@ class LongContextMetricsProcessor(MetricsProcessor):
             extra.update({tag: sum(batch[tag] for batch in self.ring_work) / len(self.ring_work)
                           for tag in self.ring_work[0]})
             self.ring_work.clear()
-        OFFLOAD_STATS.peak_host_bytes = OFFLOAD_STATS.host_bytes  # a new window starts after this log
+        start_offload_window()  # a new window starts after this log
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
 
     def _document_metrics(self) -> dict[str, float]:
@@ -187,22 +153,12 @@ class LongContextMetricsProcessor(MetricsProcessor):
         """The grouped tags, from the same counters TorchTitan's own ``log`` reads next."""
         import time
 
-        time_delta = time.perf_counter() - self.time_last_log
-        steps = self.job_config.metrics.log_freq
-        tps = self.ntokens_since_last_log / (time_delta * self.parallel_dims.non_data_parallel_size)
-        device_stats = self._device_memory_stats()
-        flops = self.num_flops_per_token * tps
-        return {
-            "loss/global_avg": global_avg_loss,
-            "throughput/tokens_per_s_per_gpu": tps,
-            "throughput/step_time_s": time_delta / steps,
-            "throughput/tflops_per_gpu": flops / 1e12,
-            "throughput/mfu_pct": 100 * flops / self.gpu_peak_flops,
-            "memory/peak_allocated_gib": device_stats.get("allocated_bytes.all.peak", -1) / GIB,
-            "memory/peak_reserved_gib": device_stats.get("reserved_bytes.all.peak", -1) / GIB,
-            "memory/alloc_retries": device_stats.get("num_alloc_retries", -1),
-            "memory/offload_host_gib": OFFLOAD_STATS.peak_host_bytes / GIB,
-        }
+        return grouped_metrics(global_avg_loss, tokens=self.ntokens_since_last_log,
+                               seconds=time.perf_counter() - self.time_last_log,
+                               steps=self.job_config.metrics.log_freq,
+                               non_data_parallel=self.parallel_dims.non_data_parallel_size,
+                               flops_per_token=self.num_flops_per_token, peak_flops=self.gpu_peak_flops,
+                               device_stats=self._device_memory_stats())
 
     def _device_memory_stats(self) -> dict[str, int]:
         from torchtitan.tools.utils import device_module

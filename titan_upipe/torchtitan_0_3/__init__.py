@@ -16,6 +16,7 @@ load_job       the door the version-neutral tools call (``spec_of_recipe``,
 parity_job     the parity check's job (``tools.parity``): its checks, the reference and
                parallel models, the loss, the CP mesh
 optimizers     AdamW with its moments in host memory (``optimizer.state_on_host``)
+metrics        0.3's metrics processor with the plugin's grouped TensorBoard tags
 model_classes  0.3's decoders for the core; the CP attention with 0.3's forward signature
 parallelize    the ``parallelize_fn``: CP attention (TSP: attention and feed-forward), 0.3's AC
                and FSDP

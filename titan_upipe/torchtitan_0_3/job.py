@@ -19,6 +19,8 @@ setting                     why
 ``hf_assets_path``          the embedded tokenizer for the synthetic datasets
 ``optimizer``               with ``[optimizer] state_on_host``, the container of AdamW with its
                             moments in host memory (``optimizers.HostStateOptimizers``)
+``metrics``                 0.3's processor with the plugin's grouped TensorBoard tags
+                            (``metrics.LongContextMetrics``)
 ``loss``                    cross-entropy over the whole logits (0.2's loss), chunked under
                             ``fused_ce`` (``transforms.loss_config``)
 ``model_spec``              separate Q/K/V under a CP mode (``flavors.with_separate_qkv``)
@@ -48,6 +50,7 @@ from titan_upipe.torchtitan_0_3.checkpoints import check_checkpoint_version
 from titan_upipe.torchtitan_0_3.data import GlobalBatchDataLoader, check_dataset
 from titan_upipe.torchtitan_0_3.flavors import with_separate_qkv
 from titan_upipe.torchtitan_0_3.job_spec import job_spec
+from titan_upipe.torchtitan_0_3.metrics import long_context_metrics
 from titan_upipe.torchtitan_0_3.model_classes import register_model_classes
 from titan_upipe.torchtitan_0_3.optimizers import check_host_state, host_state_optimizers
 from titan_upipe.torchtitan_0_3.prepare import prepare_job
@@ -206,6 +209,7 @@ def apply_plugin_settings(trainer, recipe: Recipe) -> None:
         trainer.hf_assets_path = embedded_tokenizer_dir()
     if recipe.plugin["optimizer"].state_on_host:
         trainer.optimizer = host_state_optimizers(trainer.optimizer)
+    trainer.metrics = long_context_metrics(trainer.metrics)
     if cp_mode(list(recipe.converters)) is not None:
         with_separate_qkv(trainer.model_spec.model)
     else:  # 0.3's flavors attend with flex masks built from per-document positions, which the plugin's loader,
