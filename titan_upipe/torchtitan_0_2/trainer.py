@@ -141,12 +141,8 @@ class ContextParallelTrainer(Trainer):
             foreach=True, pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
         values = global_step_values(self.step, torch.stack(losses).sum(), grad_norm, lr)
-        action = self.health.action(values)
-        if action in (None, "warn"):
-            self.optimizers.step()
-            self.lr_schedulers.step()
-        else:  # skip_step, stop: the update would carry NaN or inf into the weights
-            self.optimizers.zero_grad()
+        action = self.health.action(values)  # training.on_nonfinite, the same on every rank
+        self.health.update(action, self.optimizers, self.lr_schedulers)
         phase_times = self.progress.end_step()
 
         # A non-finite step is always logged, so that the dashboard marks it (health/nonfinite_steps).

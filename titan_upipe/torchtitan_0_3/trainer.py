@@ -147,11 +147,7 @@ class ContextParallelTrainer(Trainer):
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]
         values = global_step_values(self.step, torch.stack(losses).sum(), grad_norm, lr)
         action = self.health.action(values)  # training.on_nonfinite, the same on every rank
-        if action in (None, "warn"):
-            self.optimizers.step()
-            self.lr_schedulers.step()
-        else:  # skip_step, stop: the update would carry NaN or inf into the weights
-            self.optimizers.zero_grad()
+        self.health.update(action, self.optimizers, self.lr_schedulers)
         phase_times = self.progress.end_step()
         if action is not None or self.metrics_processor.should_log(self.step):
             avg_loss, max_loss = reduce_step_losses(self.parallel_dims, torch.stack(losses).sum(), global_valid,

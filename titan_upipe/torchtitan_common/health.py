@@ -137,6 +137,16 @@ class NonFiniteGuard:
                            '= "warn"), which usually leaves the weights NaN; "stop" or "skip_step" would not')
         return action
 
+    @staticmethod
+    def update(action: str | None, optimizers, lr_schedulers) -> None:
+        """The step's update where ``action`` lets it through (a finite step, ``warn``); else (``skip_step``,
+        ``stop``) the gradients dropped: the update would carry NaN or inf into the weights."""
+        if action in (None, "warn"):
+            optimizers.step()
+            lr_schedulers.step()
+        else:
+            optimizers.zero_grad()
+
     def stopped(self, values: StepValues) -> TrainingStopped:
         """The one-line error of a ``stop`` at ``values.step``."""
         checkpoint = last_checkpoint_text(bool(self.checkpointer.enable), self.checkpointer.folder)
